@@ -1,0 +1,34 @@
+# SpecMesh: `make up` starts the local mesh, `make test` runs the test suite.
+# Both create .venv on first use and install what they need into it.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# On these machines the CPU torch wheel lies in /opt/wheels; elsewhere PyPI serves it.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PIP := $(BIN)/python -m pip install --disable-pip-version-check $(FIND_LINKS) -c constraints.txt
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: up test install proto clean-venv
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip setuptools wheel
+	$(PIP) -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+up: install
+	$(BIN)/specmesh up $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Regenerate the committed gRPC stubs in specmesh/v1 from proto/.
+proto: install
+	$(BIN)/python specmesh/protogen.py
+
+clean-venv:
+	rm -rf $(VENV)

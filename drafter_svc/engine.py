@@ -1,0 +1,61 @@
+"""The model drafter: proposes k tokens from a small causal LM with a per-session cache.
+
+The cache is advanced incrementally (only new committed tokens and the drafts
+are fed, never the whole prefix) and rolled back by the hash-checked handle of
+the next call. Each draft token is sampled from a sparse q: the top
+``max_support`` tokens of the warped distribution, renormalised.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.errors import InvalidArgument
+from services.kv_cache import SessionCaches
+from services.messages import DraftCall, DraftResult
+from services.model_runner import ModelRunner, check_delta
+from services.sampling import sparse_draft_sample, warp_logits
+
+
+class DrafterEngine:
+    def __init__(self, runner: ModelRunner, caches: SessionCaches, max_draft_tokens: int) -> None:
+        self.runner = runner
+        self.caches = caches
+        self.max_draft_tokens = max_draft_tokens
+
+    async def draft(self, call: DraftCall) -> DraftResult:
+        delta = call.cache
+        if not 1 <= call.num_tokens <= self.max_draft_tokens:
+            raise InvalidArgument(
+                f"num_tokens must be in 1..{self.max_draft_tokens}, got {call.num_tokens}")
+        if not 1 <= call.max_support <= 256:
+            raise InvalidArgument(f"max_support must be in 1..256, got {call.max_support}")
+        try:
+            call.params.validate()
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        check_delta(self.runner, delta.session_id, delta.base_len, delta.new_tokens,
+                    call.num_tokens - 1)
+        generator = torch.Generator().manual_seed(call.seed)
+
+        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash) as entry:
+
+            def work() -> list[tuple[int, list[int], list[float]]]:
+                out = []
+                pending = list(delta.new_tokens)
+                for _ in range(call.num_tokens):
+                    logits = self.runner.forward(pending, entry.kv, start=len(entry.tokens),
+                                                 keep=1)  # [1, V]
+                    entry.tokens.extend(pending)
+                    probs = warp_logits(logits[0], call.params)  # [V]
+                    token, ids, q = sparse_draft_sample(probs, call.max_support, generator)
+                    out.append((token, ids.tolist(), q.tolist()))
+                    pending = [token]
+                return out
+
+            drafts, ms = await self.runner.run(work)
+            return DraftResult(
+                token_ids=tuple(t for t, _, _ in drafts),
+                q_ids=tuple(tuple(ids) for _, ids, _ in drafts),
+                q_probs=tuple(tuple(q) for _, _, q in drafts),
+                cached_len=len(entry.tokens), cache_hit=delta.base_len > 0, compute_ms=ms)

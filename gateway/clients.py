@@ -1,0 +1,59 @@
+"""Calls to drafters and verifiers: dataclasses in, dataclasses out, errors classified."""
+
+from __future__ import annotations
+
+import grpc
+
+from gateway.replicas import Replica
+from services.convert import (
+    draft_call_to_pb,
+    draft_result_from_pb,
+    verify_call_to_pb,
+    verify_result_from_pb,
+)
+from services.errors import RESYNC_KEY, RESYNC_VALUE, InvalidArgument, ResyncRequired
+from services.messages import DraftCall, DraftResult, VerifyCall, VerifyResult
+from specmesh.v1 import common_pb2
+
+
+class ReplicaFailed(Exception):
+    """The replica could not answer (down, overloaded, timed out, internal error)."""
+
+    def __init__(self, replica: Replica, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{replica.address}: {code.name}: {details}")
+        self.replica = replica
+        self.code = code
+
+
+async def _call(replica: Replica, method: str, request, timeout: float):
+    replica.inflight += 1
+    try:
+        return await getattr(replica.stub, method)(request, timeout=timeout)
+    except grpc.aio.AioRpcError as err:
+        code = err.code()
+        trailing = dict(err.trailing_metadata() or ())
+        if code == grpc.StatusCode.FAILED_PRECONDITION and trailing.get(RESYNC_KEY) == RESYNC_VALUE:
+            raise ResyncRequired(err.details()) from err
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidArgument(f"{replica.address} rejected the request: {err.details()}") from err
+        raise ReplicaFailed(replica, code, err.details() or "") from err
+    finally:
+        replica.inflight -= 1
+
+
+async def draft(replica: Replica, call: DraftCall, timeout: float) -> DraftResult:
+    return draft_result_from_pb(await _call(replica, "Draft", draft_call_to_pb(call), timeout))
+
+
+async def verify(replica: Replica, call: VerifyCall, timeout: float) -> VerifyResult:
+    return verify_result_from_pb(await _call(replica, "Verify", verify_call_to_pb(call), timeout))
+
+
+async def model_info(replica: Replica, timeout: float) -> common_pb2.ModelInfo:
+    return await _call(replica, "GetModelInfo", common_pb2.ModelInfoRequest(), timeout)
+
+
+async def release(replica: Replica, session_id: str, timeout: float) -> bool:
+    response = await _call(replica, "Release", common_pb2.ReleaseRequest(session_id=session_id),
+                           timeout)
+    return response.released

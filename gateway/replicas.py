@@ -1,0 +1,67 @@
+"""Drafter and verifier replicas as the gateway sees them: channels, load, health.
+
+Routing: a session stays on the replica that holds its cache while that
+replica is up; a new session goes to the up replica with the fewest requests
+in flight from this gateway. A replica that fails a call is marked down for
+``retry_s`` and the session moves (its cache is rebuilt by a resync).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from specmesh.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+
+
+@dataclass
+class Replica:
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    info: common_pb2.ModelInfo | None = None
+    inflight: int = 0
+    down_until: float = 0.0
+    failures: int = field(default=0)
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+
+class ReplicaPool:
+    def __init__(self, kind: str, addresses: tuple[str, ...], retry_s: float,
+                 channel_options: list[tuple[str, int]]) -> None:
+        stub_cls = {"drafter": drafter_pb2_grpc.DrafterStub,
+                    "verifier": verifier_pb2_grpc.VerifierStub}[kind]
+        self.kind = kind
+        self._retry_s = retry_s
+        self.replicas: dict[str, Replica] = {}
+        for address in addresses:
+            channel = grpc.aio.insecure_channel(address, options=channel_options)
+            self.replicas[address] = Replica(address, channel, stub_cls(channel))
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def pick(self, prefer: str = "", exclude: frozenset[str] = frozenset()) -> Replica | None:
+        preferred = self.replicas.get(prefer)
+        if preferred is not None and preferred.up and prefer not in exclude:
+            return preferred
+        candidates = [r for r in self.replicas.values() if r.up and r.address not in exclude]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: (r.inflight, r.failures))
+
+    def mark_down(self, replica: Replica) -> None:
+        replica.failures += 1
+        replica.down_until = time.monotonic() + self._retry_s
+
+    def mark_ok(self, replica: Replica) -> None:
+        replica.failures = 0
+
+    async def close(self) -> None:
+        for replica in self.replicas.values():
+            await replica.channel.close()

@@ -1,0 +1,60 @@
+"""The gateway's gRPC edge: GenerateRequest -> GenerationEngine -> chunks and responses."""
+
+from __future__ import annotations
+
+from gateway.engine import Chunk, Finish, GenerationEngine, Usage
+from gateway.requests import spec_from_request
+from services.config import GatewayConfig
+from services.errors import grpc_errors
+from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+_FINISH = {
+    None: gateway_pb2.FINISH_REASON_UNSPECIFIED,
+    Finish.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
+    Finish.EOS: gateway_pb2.FINISH_REASON_EOS,
+    Finish.STOP: gateway_pb2.FINISH_REASON_STOP,
+    Finish.CONTEXT: gateway_pb2.FINISH_REASON_CONTEXT,
+}
+
+
+def _usage(u: Usage | None) -> gateway_pb2.Usage | None:
+    if u is None:
+        return None
+    return gateway_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                             rounds=u.rounds, draft_tokens=u.draft_tokens,
+                             accepted_draft_tokens=u.accepted_draft_tokens)
+
+
+def _chunk(c: Chunk) -> gateway_pb2.GenerateChunk:
+    return gateway_pb2.GenerateChunk(text=c.text, token_ids=c.token_ids,
+                                     finish_reason=_FINISH[c.finish], session_id=c.session_id,
+                                     usage=_usage(c.usage))
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, engine: GenerationEngine, config: GatewayConfig) -> None:
+        self.engine = engine
+        self.config = config
+
+    @grpc_errors
+    async def GenerateStream(self, request, context):
+        spec = spec_from_request(request, self.config)
+        async for chunk in self.engine.generate(spec, context.time_remaining):
+            yield _chunk(chunk)
+
+    @grpc_errors
+    async def Generate(self, request, context):
+        spec = spec_from_request(request, self.config)
+        text, ids, last = [], [], None
+        async for chunk in self.engine.generate(spec, context.time_remaining):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
+        return gateway_pb2.GenerateResponse(
+            text="".join(text), token_ids=ids, finish_reason=_FINISH[last.finish],
+            session_id=last.session_id, usage=_usage(last.usage))
+
+    @grpc_errors
+    async def CloseSession(self, request, context):
+        count = await self.engine.close_session(request.session_id)
+        return gateway_pb2.CloseSessionResponse(committed_tokens=count)

@@ -1,0 +1,106 @@
+"""Service configuration: built once (by the CLI), validated, passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def parse_addresses(value: str | None) -> tuple[str, ...]:
+    """'h1:p1,h2:p2' -> ('h1:p1', 'h2:p2'); checks each names a host and a port."""
+    if not value:
+        return ()
+    out = []
+    for part in value.split(","):
+        addr = part.strip()
+        if not addr:
+            continue
+        host, sep, port = addr.rpartition(":")
+        _require(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
+                 f"address {addr!r} must look like HOST:PORT")
+        out.append(addr)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What every gRPC server of the mesh shares."""
+
+    port: int
+    host: str = "0.0.0.0"
+    max_message_mb: int = 16
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
+        _require(self.max_message_mb >= 1, "max message size must be at least 1 MB")
+        _require(self.grace_s >= 0, "grace period must be >= 0 seconds")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def grpc_options(self) -> list[tuple[str, int]]:
+        size = self.max_message_mb * 1024 * 1024
+        return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig:
+    """A drafter or a verifier: one model, per-session KV caches."""
+
+    server: ServerConfig
+    model: str
+    device: str = "auto"
+    dtype: str = "float32"
+    max_sessions: int = 256
+    max_draft_tokens: int = 16
+    threads: int = 0
+    max_queue: int = 64
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "a model (hub name or local path) is required")
+        _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+                 f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        _require(self.dtype in ("float32", "float16", "bfloat16"),
+                 f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        _require(self.max_sessions >= 1, "max sessions must be >= 1")
+        _require(1 <= self.max_draft_tokens <= 64, "max draft tokens must be in 1..64")
+
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    server: ServerConfig
+    redis_url: str
+    model: str = ""  # tokenizer source; "" = the model the verifiers report
+    drafters: tuple[str, ...] = ()
+    verifiers: tuple[str, ...] = ()
+    num_draft_tokens: int = 4
+    max_support: int = 32
+    default_max_new_tokens: int = 128
+    max_new_tokens_cap: int = 4096
+    max_stop_strings: int = 16
+    session_ttl_s: int = 3600
+    lease_s: float = 10.0
+    rpc_timeout_s: float = 30.0
+    max_inflight: int = 64
+    replica_retry_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _require(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+                 f"redis URL must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        _require(len(self.verifiers) >= 1, "at least one verifier address is required")
+        _require(0 <= self.num_draft_tokens <= 64, "num draft tokens must be in 0..64")
+        _require(1 <= self.max_support <= 256, "max support must be in 1..256")
+        _require(1 <= self.default_max_new_tokens <= self.max_new_tokens_cap,
+                 "default max new tokens must be in 1..max_new_tokens_cap")
+        _require(self.session_ttl_s >= 1, "session TTL must be >= 1 s")
+        _require(self.lease_s > 0, "session lease must be > 0 s")
+        _require(self.rpc_timeout_s > 0, "RPC timeout must be > 0 s")
+        _require(self.max_inflight >= 1, "max in-flight requests must be >= 1")

@@ -1,0 +1,91 @@
+"""Protobuf <-> dataclass conversion for the internal drafter and verifier calls.
+
+Used only at the edges: the servicers and the gateway's clients.
+"""
+
+from __future__ import annotations
+
+from services.messages import CacheDelta, DraftCall, DraftResult, VerifyCall, VerifyResult
+from services.models import ModelMeta
+from services.sampling import SamplingParams
+from specmesh.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+
+def delta_to_pb(d: CacheDelta) -> common_pb2.CacheDelta:
+    return common_pb2.CacheDelta(session_id=d.session_id, base_len=d.base_len,
+                                 base_hash=d.base_hash, new_tokens=d.new_tokens)
+
+
+def delta_from_pb(m: common_pb2.CacheDelta) -> CacheDelta:
+    return CacheDelta(session_id=m.session_id, base_len=m.base_len, base_hash=m.base_hash,
+                      new_tokens=tuple(m.new_tokens))
+
+
+def warp_to_pb(params: SamplingParams, seed: int) -> common_pb2.WarpParams:
+    return common_pb2.WarpParams(temperature=params.temperature, top_k=params.top_k,
+                                 top_p=params.top_p, seed=seed)
+
+
+def warp_from_pb(m: common_pb2.WarpParams) -> tuple[SamplingParams, int]:
+    top_p = m.top_p if m.top_p != 0 else 1.0
+    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=top_p), m.seed
+
+
+def _dists(ids, probs) -> list[common_pb2.SparseDist]:
+    return [common_pb2.SparseDist(token_ids=i, probs=p) for i, p in zip(ids, probs, strict=True)]
+
+
+def draft_call_to_pb(c: DraftCall) -> drafter_pb2.DraftRequest:
+    return drafter_pb2.DraftRequest(cache=delta_to_pb(c.cache), num_tokens=c.num_tokens,
+                                    warp=warp_to_pb(c.params, c.seed), max_support=c.max_support)
+
+
+def draft_call_from_pb(m: drafter_pb2.DraftRequest) -> DraftCall:
+    params, seed = warp_from_pb(m.warp)
+    return DraftCall(cache=delta_from_pb(m.cache), num_tokens=m.num_tokens, params=params,
+                     seed=seed, max_support=m.max_support)
+
+
+def draft_result_to_pb(r: DraftResult) -> drafter_pb2.DraftResponse:
+    return drafter_pb2.DraftResponse(token_ids=r.token_ids, dists=_dists(r.q_ids, r.q_probs),
+                                     cached_len=r.cached_len, cache_hit=r.cache_hit,
+                                     compute_ms=r.compute_ms)
+
+
+def draft_result_from_pb(m: drafter_pb2.DraftResponse) -> DraftResult:
+    return DraftResult(token_ids=tuple(m.token_ids),
+                       q_ids=tuple(tuple(d.token_ids) for d in m.dists),
+                       q_probs=tuple(tuple(d.probs) for d in m.dists),
+                       cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms)
+
+
+def verify_call_to_pb(c: VerifyCall) -> verifier_pb2.VerifyRequest:
+    return verifier_pb2.VerifyRequest(cache=delta_to_pb(c.cache), draft_token_ids=c.draft_ids,
+                                      draft_dists=_dists(c.q_ids, c.q_probs),
+                                      warp=warp_to_pb(c.params, c.seed))
+
+
+def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
+    params, seed = warp_from_pb(m.warp)
+    return VerifyCall(cache=delta_from_pb(m.cache), draft_ids=tuple(m.draft_token_ids),
+                      q_ids=tuple(tuple(d.token_ids) for d in m.draft_dists),
+                      q_probs=tuple(tuple(d.probs) for d in m.draft_dists),
+                      params=params, seed=seed)
+
+
+def verify_result_to_pb(r: VerifyResult) -> verifier_pb2.VerifyResponse:
+    return verifier_pb2.VerifyResponse(num_accepted=r.num_accepted, extra_token_id=r.extra_token,
+                                       cached_len=r.cached_len, cache_hit=r.cache_hit,
+                                       compute_ms=r.compute_ms)
+
+
+def verify_result_from_pb(m: verifier_pb2.VerifyResponse) -> VerifyResult:
+    return VerifyResult(num_accepted=m.num_accepted, extra_token=m.extra_token_id,
+                        cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms)
+
+
+def meta_to_pb(meta: ModelMeta, kind: str, max_draft_tokens: int) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(model=meta.model, fingerprint=meta.fingerprint,
+                                vocab_hash=meta.vocab_hash, vocab_size=meta.vocab_size,
+                                max_context=meta.max_context, eos_token_ids=meta.eos_token_ids,
+                                kind=kind, max_draft_tokens=max_draft_tokens)

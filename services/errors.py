@@ -1,0 +1,98 @@
+"""Domain errors and their gRPC status codes.
+
+Plain modules raise these; servicers translate them with ``grpc_errors`` so
+each failure reaches the client as a precise status with a message that says
+what to fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+RESYNC_KEY = "specmesh-resync"
+RESYNC_VALUE = "required"
+
+
+class SpecMeshError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(SpecMeshError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(SpecMeshError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Busy(SpecMeshError):
+    """Another request holds the session."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class Overloaded(SpecMeshError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SpecMeshError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(SpecMeshError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ResyncRequired(SpecMeshError):
+    """A replica's session cache does not hold what the caller assumed."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _metadata(err: SpecMeshError) -> tuple[tuple[str, str], ...]:
+    return ((RESYNC_KEY, RESYNC_VALUE),) if isinstance(err, ResyncRequired) else ()
+
+
+def grpc_errors(method: Callable) -> Callable:
+    """Maps SpecMeshError (and ValueError) raised by a servicer method to a gRPC status."""
+
+    async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        if isinstance(exc, SpecMeshError):
+            context.set_trailing_metadata(_metadata(exc))
+            await context.abort(exc.code, str(exc))
+        if isinstance(exc, ValueError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.exception("internal error in %s", method.__qualname__)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                await _abort(context, exc)
+
+        return stream_wrapper
+
+    @functools.wraps(method)
+    async def unary_wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await _abort(context, exc)
+
+    return unary_wrapper

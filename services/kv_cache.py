@@ -1,0 +1,95 @@
+"""Per-session KV caches with hash-checked handles, bounded and LRU-evicted.
+
+A replica keeps, per session, the token ids whose keys and values its cache
+holds. A caller names the prefix it assumes (``base_len`` tokens hashing to
+``base_hash``); when the cache holds that prefix (possibly followed by tokens
+that were not committed, e.g. rejected drafts) it is cropped to it and reused;
+otherwise the caller is told to resync. A handle is never silently wrong.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.errors import Busy, ResyncRequired
+from services.hashing import token_hash
+
+
+@dataclass
+class SessionCache:
+    tokens: list[int]
+    kv: Any  # transformers DynamicCache; holds exactly len(tokens) positions
+    last_used: float = field(default_factory=time.monotonic)
+
+    def crop(self, length: int) -> None:
+        """Keeps the first ``length`` positions (cache.crop(-n) drops the last n)."""
+        drop = len(self.tokens) - length
+        if drop > 0:
+            self.kv.crop(-drop)
+            del self.tokens[length:]
+
+
+class SessionCaches:
+    """Session id -> SessionCache, at most ``max_sessions``, least recently used out first."""
+
+    def __init__(self, max_sessions: int, new_kv: Callable[[], Any]) -> None:
+        self._max = max_sessions
+        self._new_kv = new_kv
+        self._entries: OrderedDict[str, SessionCache] = OrderedDict()
+        self._busy: set[str] = set()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._entries
+
+    @contextmanager
+    def checkout(self, session_id: str, base_len: int, base_hash: int) -> Iterator[SessionCache]:
+        """Yields the session's cache cropped to ``base_len`` tokens.
+
+        base_len == 0 starts the session afresh. Raises ResyncRequired when the
+        cache does not hold the named prefix, Busy when another call is using
+        the session. If the body raises, the session's cache is dropped (it may
+        be half-written), so the next call resyncs.
+        """
+        if session_id in self._busy:
+            raise Busy(f"session {session_id!r} is busy with another call on this replica")
+        entry = self._entries.get(session_id)
+        if base_len == 0:
+            entry = SessionCache(tokens=[], kv=self._new_kv())
+        elif entry is None:
+            raise ResyncRequired(
+                f"session {session_id!r} has no cache on this replica: resend the committed "
+                "prefix with base_len=0")
+        elif len(entry.tokens) < base_len or token_hash(entry.tokens[:base_len]) != base_hash:
+            raise ResyncRequired(
+                f"session {session_id!r}: cache holds {len(entry.tokens)} tokens that do not "
+                f"start with the assumed {base_len}-token prefix: resend with base_len=0")
+        else:
+            entry.crop(base_len)
+        self._entries.pop(session_id, None)
+        self._busy.add(session_id)
+        try:
+            yield entry
+        except BaseException:
+            self._busy.discard(session_id)
+            raise
+        self._busy.discard(session_id)
+        entry.last_used = time.monotonic()
+        self._entries[session_id] = entry
+        self._evict()
+
+    def release(self, session_id: str) -> bool:
+        return self._entries.pop(session_id, None) is not None
+
+    def _evict(self) -> None:
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+            self.evictions += 1

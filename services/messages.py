@@ -1,0 +1,57 @@
+"""Plain dataclasses of the internal drafter and verifier calls.
+
+Servicers and clients convert protobuf to and from these (services/convert.py);
+nothing deeper sees a proto.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class CacheDelta:
+    session_id: str
+    base_len: int
+    base_hash: int
+    new_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    cache: CacheDelta
+    num_tokens: int
+    params: SamplingParams
+    seed: int
+    max_support: int
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    token_ids: tuple[int, ...]
+    q_ids: tuple[tuple[int, ...], ...]
+    q_probs: tuple[tuple[float, ...], ...]
+    cached_len: int
+    cache_hit: bool
+    compute_ms: float
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    cache: CacheDelta
+    draft_ids: tuple[int, ...]
+    q_ids: tuple[tuple[int, ...], ...]
+    q_probs: tuple[tuple[float, ...], ...]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: int
+    extra_token: int
+    cached_len: int
+    cache_hit: bool
+    compute_ms: float

@@ -1,0 +1,106 @@
+"""Loading HF causal LMs and describing them (fingerprints, vocabulary, limits)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    model: str
+    fingerprint: str
+    vocab_hash: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_causal_lm(path: str, device: torch.device, dtype: str = "float32") -> torch.nn.Module:
+    """Loads a causal LM by hub name or local path, in eval mode without gradients."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(path: str):
+    """The model's tokenizer, or None when the path has none (a bare model)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer at %s (%s)", path, exc)
+        return None
+
+
+def vocab_hash(tokenizer) -> str:
+    if tokenizer is None:
+        return ""
+    items = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def eos_token_ids(model) -> tuple[int, ...]:
+    """EOS ids as HF generate uses them: generation_config first, then config."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return ()
+
+
+def fingerprint(model) -> str:
+    """Hash of the config and every parameter's name, shape, dtype and sum."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            h.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
+            h.update(f"{float(param.double().sum()):.6e}".encode())
+    return h.hexdigest()[:16]
+
+
+def describe(name: str, model, tokenizer) -> ModelMeta:
+    config = model.config
+    max_context = getattr(config, "max_position_embeddings", None) or 2048
+    return ModelMeta(
+        model=name,
+        fingerprint=fingerprint(model),
+        vocab_hash=vocab_hash(tokenizer),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        max_context=int(max_context),
+        eos_token_ids=eos_token_ids(model),
+    )
+
+
+def load_for_serving(path: str, device_name: str, dtype: str, threads: int):
+    """Loads model and tokenizer, runs one warm-up forward; returns (model, meta, device)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    device = resolve_device(device_name)
+    model = load_causal_lm(path, device, dtype)
+    tokenizer = load_tokenizer(path)
+    meta = describe(path, model, tokenizer)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
+    log.info("loaded %s on %s: vocab %d, context %d, fingerprint %s", path, device,
+             meta.vocab_size, meta.max_context, meta.fingerprint)
+    return model, meta, device

@@ -1,0 +1,61 @@
+"""gRPC server bootstrap shared by the three services: health, reflection, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from services.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+async def serve(
+    config: ServerConfig,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: list[str],
+    on_started: Callable[[int], None] | None = None,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Runs a server until SIGTERM/SIGINT; reports SERVING once it listens.
+
+    Callers load and warm their models *before* calling this, so SERVING means
+    ready. On a signal: health goes NOT_SERVING, in-flight calls get
+    ``config.grace_s`` to finish, then ``on_stop`` closes clients.
+    """
+    server = grpc.aio.server(options=config.grpc_options)
+    register(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(config.address)
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {config.address}")
+    await server.start()
+    for name in ["", *service_names]:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on port %d", ", ".join(service_names), port)
+    if on_started is not None:
+        on_started(port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining for %.1f s", config.grace_s)
+    await health.enter_graceful_shutdown()
+    await server.stop(config.grace_s)
+    if on_stop is not None:
+        await on_stop()

@@ -1,0 +1,215 @@
+"""Session handles in Redis: committed tokens, cache holders, a version, a TTL.
+
+Layout (``P`` = key prefix, default ``specmesh:session:``):
+- ``P{id}`` hash: version, committed_len, committed_hash, verifier, verifier_len, drafter,
+  drafter_len, target, keep, sampling, created, updated
+- ``P{id}:tokens`` string: the committed token ids as little-endian int32, appended per round
+- ``P{id}:lease`` string: the request that may advance the session, with a TTL
+
+Every update is a compare-and-set on the version inside a Lua script, so two
+gateways can never advance one session at once; the lease makes a second
+concurrent request fail fast (ABORTED) instead of racing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.errors import Busy, NotFound, Unavailable
+from services.hashing import token_hash
+
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
+
+_COMMIT = """
+local v = redis.call('HGET', KEYS[1], 'version')
+if not v then return -2 end
+if v ~= ARGV[1] then return -1 end
+if redis.call('GET', KEYS[3]) ~= ARGV[4] then return -3 end
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
+if string.len(ARGV[3]) > 0 then redis.call('APPEND', KEYS[2], ARGV[3]) end
+local nv = tonumber(v) + 1
+redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 6))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return nv
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass
+class SessionHandle:
+    session_id: str
+    version: int
+    tokens: list[int]
+    verifier: str = ""
+    verifier_len: int = 0
+    drafter: str = ""
+    drafter_len: int = 0
+    target: str = ""
+    keep: bool = False
+    sampling: dict = field(default_factory=dict)
+
+
+def _pack(tokens: list[int]) -> bytes:
+    return array("i", tokens).tobytes()
+
+
+def _unpack(data: bytes) -> list[int]:
+    out = array("i")
+    out.frombytes(data)
+    return out.tolist()
+
+
+class SessionStore:
+    def __init__(self, client: aioredis.Redis, ttl_s: int, lease_s: float,
+                 prefix: str = "specmesh:session:") -> None:
+        self._r = client
+        self._ttl = ttl_s
+        self._lease_ms = int(lease_s * 1000)
+        self._prefix = prefix
+        self._create = client.register_script(_CREATE)
+        self._commit = client.register_script(_COMMIT)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_url(cls, url: str, ttl_s: int, lease_s: float) -> SessionStore:
+        client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        return cls(client, ttl_s, lease_s)
+
+    def _keys(self, session_id: str) -> tuple[str, str, str]:
+        base = self._prefix + session_id
+        return base, base + ":tokens", base + ":lease"
+
+    async def ping(self) -> None:
+        async with _redis_errors():
+            await self._r.ping()
+
+    async def create(self, h: SessionHandle) -> None:
+        hkey, tkey, _ = self._keys(h.session_id)
+        async with _redis_errors():
+            ok = await self._create(keys=[hkey, tkey],
+                                    args=[self._ttl, _pack(h.tokens), *self._fields(h, True)])
+        if not ok:
+            raise Busy(f"session {h.session_id!r} already exists")
+
+    async def load(self, session_id: str) -> SessionHandle:
+        hkey, tkey, _ = self._keys(session_id)
+        async with _redis_errors():
+            async with self._r.pipeline(transaction=True) as pipe:
+                fields, data = await pipe.hgetall(hkey).get(tkey).execute()
+        if not fields:
+            raise NotFound(f"unknown session_id {session_id!r}: it was closed, expired or never "
+                           "existed; start a new session without session_id")
+        f = {k.decode(): v.decode() for k, v in fields.items()}
+        tokens = _unpack(data or b"")
+        if len(tokens) != int(f["committed_len"]) or token_hash(tokens) != int(f["committed_hash"]):
+            raise Unavailable(f"session {session_id!r} handle is inconsistent in Redis")
+        return SessionHandle(
+            session_id=session_id, version=int(f["version"]), tokens=tokens,
+            verifier=f.get("verifier", ""), verifier_len=int(f.get("verifier_len", 0)),
+            drafter=f.get("drafter", ""), drafter_len=int(f.get("drafter_len", 0)),
+            target=f.get("target", ""), keep=f.get("keep") == "1",
+            sampling=json.loads(f.get("sampling") or "{}"))
+
+    async def commit(self, h: SessionHandle, appended: list[int], owner: str) -> None:
+        """Appends ``appended`` to the committed tokens and stores h's fields, if the
+        version is still h.version and ``owner`` still holds the lease (which is
+        renewed); bumps h.version. h.tokens must already include ``appended``."""
+        hkey, tkey, lkey = self._keys(h.session_id)
+        async with _redis_errors():
+            result = await self._commit(
+                keys=[hkey, tkey, lkey],
+                args=[h.version, self._ttl, _pack(appended), owner, self._lease_ms,
+                      *self._fields(h, False)])
+        if result == -2:
+            raise NotFound(f"session {h.session_id!r} was closed or expired during the request")
+        if result == -1:
+            raise Busy(f"session {h.session_id!r} was advanced by another request")
+        if result == -3:
+            raise Busy(f"session {h.session_id!r}: this request's lease expired and another "
+                       "request took the session")
+        h.version = int(result)
+
+    async def acquire(self, session_id: str, owner: str) -> None:
+        _, _, lkey = self._keys(session_id)
+        async with _redis_errors():
+            ok = await self._r.set(lkey, owner, nx=True, px=self._lease_ms)
+        if not ok:
+            raise Busy(f"session {session_id!r} is busy with another request: wait for it to "
+                       "finish, then retry")
+
+    async def renew(self, session_id: str, owner: str) -> None:
+        _, _, lkey = self._keys(session_id)
+        async with _redis_errors():
+            ok = await self._renew(keys=[lkey], args=[owner, self._lease_ms])
+        if not ok:
+            raise Busy(f"session {session_id!r}: this request's lease expired and another took it")
+
+    async def release(self, session_id: str, owner: str) -> None:
+        _, _, lkey = self._keys(session_id)
+        async with _redis_errors():
+            await self._release(keys=[lkey], args=[owner])
+
+    async def delete(self, session_id: str) -> bool:
+        async with _redis_errors():
+            return bool(await self._r.delete(*self._keys(session_id)))
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    @staticmethod
+    def _fields(h: SessionHandle, created: bool) -> list:
+        now = f"{time.time():.3f}"
+        fields = [
+            "committed_len", len(h.tokens), "committed_hash", token_hash(h.tokens),
+            "verifier", h.verifier, "verifier_len", h.verifier_len,
+            "drafter", h.drafter, "drafter_len", h.drafter_len,
+            "target", h.target, "keep", int(h.keep), "sampling", json.dumps(h.sampling),
+            "updated", now,
+        ]
+        if created:
+            fields += ["version", h.version, "created", now]
+        return fields
+
+
+class _redis_errors:
+    """Turns Redis connection failures into UNAVAILABLE with a clear message."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+            raise Unavailable(f"session store (Redis) is unreachable: {exc}") from exc
+        if isinstance(exc, RedisError):
+            raise Unavailable(f"session store (Redis) failed: {exc}") from exc
+        return False

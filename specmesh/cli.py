@@ -1,0 +1,225 @@
+"""`specmesh`: run the services, the local mesh, and a streaming client."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="SpecMesh: lossless speculative decoding across drafter, verifier and "
+                       "gateway gRPC services.")
+
+Port = Annotated[int, typer.Option("--port", envvar="SPECMESH_PORT", help="Port to listen on.")]
+Host = Annotated[str, typer.Option("--host", envvar="SPECMESH_HOST", help="Address to bind.")]
+Model = Annotated[str, typer.Option("--model", envvar="SPECMESH_MODEL",
+                                    help="HF causal LM: hub name or local path.")]
+Device = Annotated[str, typer.Option("--device", envvar="SPECMESH_DEVICE",
+                                     help="auto (CUDA when present), cpu or cuda[:N].")]
+Dtype = Annotated[str, typer.Option("--dtype", envvar="SPECMESH_DTYPE",
+                                    help="float32, float16 or bfloat16.")]
+MaxSessions = Annotated[int, typer.Option("--max-sessions", envvar="SPECMESH_MAX_SESSIONS",
+                                          help="KV caches kept; least recently used evicted.")]
+MaxDraft = Annotated[int, typer.Option("--max-draft-tokens", envvar="SPECMESH_MAX_DRAFT_TOKENS",
+                                       help="Largest k accepted per call.")]
+Threads = Annotated[int, typer.Option("--threads", envvar="SPECMESH_THREADS",
+                                      help="torch CPU threads (0 = torch's default).")]
+MaxQueue = Annotated[int, typer.Option("--max-queue", envvar="SPECMESH_MAX_QUEUE",
+                                       help="Calls waiting for the model before "
+                                            "RESOURCE_EXHAUSTED.")]
+LogLevel = Annotated[str, typer.Option("--log-level", envvar="SPECMESH_LOG_LEVEL")]
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _model_service(kind: str, host, port, model, device, dtype, max_sessions, max_draft, threads,
+                   max_queue, log_level) -> None:
+    from services.config import ModelServiceConfig, ServerConfig
+
+    _logging(log_level)
+    try:
+        config = ModelServiceConfig(server=ServerConfig(port=port, host=host), model=model,
+                                    device=device, dtype=dtype, max_sessions=max_sessions,
+                                    max_draft_tokens=max_draft, threads=threads,
+                                    max_queue=max_queue)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if kind == "drafter":
+        from drafter_svc.server import run
+    else:
+        from verifier_svc.server import run
+    run(config)
+
+
+@app.command()
+def drafter(model: Model, port: Port = 50061, host: Host = "0.0.0.0", device: Device = "cpu",
+            dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
+            max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
+            log_level: LogLevel = "info") -> None:
+    """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM."""
+    _model_service("drafter", host, port, model, device, dtype, max_sessions, max_draft_tokens,
+                   threads, max_queue, log_level)
+
+
+@app.command()
+def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: Device = "auto",
+             dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
+             max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
+             log_level: LogLevel = "info") -> None:
+    """Run a verifier: holds the target model, verifies drafts in one forward pass."""
+    _model_service("verifier", host, port, model, device, dtype, max_sessions, max_draft_tokens,
+                   threads, max_queue, log_level)
+
+
+@app.command()
+def gateway(
+    redis: Annotated[str, typer.Option("--redis", envvar="SPECMESH_REDIS_URL",
+                                       help="Redis URL (redis://, rediss://, unix://).")],
+    verifiers: Annotated[str, typer.Option("--verifiers", envvar="SPECMESH_VERIFIERS",
+                                           help="Verifier addresses, HOST:PORT,...")],
+    drafters: Annotated[str, typer.Option("--drafters", envvar="SPECMESH_DRAFTERS",
+                                          help="Drafter addresses, HOST:PORT,...")] = "",
+    model: Annotated[str, typer.Option("--model", envvar="SPECMESH_MODEL",
+                                       help="Target model for the tokenizer (default: the "
+                                            "model the verifiers report).")] = "",
+    port: Port = 50051,
+    host: Host = "0.0.0.0",
+    num_draft_tokens: Annotated[int, typer.Option(envvar="SPECMESH_NUM_DRAFT_TOKENS",
+                                                  help="Default draft tokens per round.")] = 4,
+    max_support: Annotated[int, typer.Option(envvar="SPECMESH_MAX_SUPPORT",
+                                             help="Largest sparse-q support per position.")] = 32,
+    default_max_new_tokens: Annotated[int, typer.Option(
+        envvar="SPECMESH_DEFAULT_MAX_NEW_TOKENS")] = 128,
+    max_new_tokens_cap: Annotated[int, typer.Option(envvar="SPECMESH_MAX_NEW_TOKENS_CAP")] = 4096,
+    session_ttl_s: Annotated[int, typer.Option(envvar="SPECMESH_SESSION_TTL_S")] = 3600,
+    max_inflight: Annotated[int, typer.Option(envvar="SPECMESH_MAX_INFLIGHT",
+                                              help="Concurrent requests before "
+                                                   "RESOURCE_EXHAUSTED.")] = 64,
+    rpc_timeout_s: Annotated[float, typer.Option(envvar="SPECMESH_RPC_TIMEOUT_S")] = 30.0,
+    log_level: LogLevel = "info",
+) -> None:
+    """Run the gateway: the public specmesh.v1.Gateway API and the round loop."""
+    from gateway.server import StartupError, run
+    from services.config import GatewayConfig, ServerConfig, parse_addresses
+
+    _logging(log_level)
+    try:
+        config = GatewayConfig(
+            server=ServerConfig(port=port, host=host), model=model, redis_url=redis,
+            drafters=parse_addresses(drafters), verifiers=parse_addresses(verifiers),
+            num_draft_tokens=num_draft_tokens, max_support=max_support,
+            default_max_new_tokens=default_max_new_tokens,
+            max_new_tokens_cap=max_new_tokens_cap, session_ttl_s=session_ttl_s,
+            max_inflight=max_inflight, rpc_timeout_s=rpc_timeout_s)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        run(config)
+    except StartupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _default_pair() -> tuple[str, str]:
+    from services.local_mesh import default_cache_dir
+    from services.tiny_models import build_tiny_pair
+
+    target, draft = build_tiny_pair(default_cache_dir() / "tiny-pair")
+    return str(target), str(draft)
+
+
+@app.command()
+def up(
+    port: Annotated[int, typer.Option(help="Gateway port.")] = 50051,
+    drafters: Annotated[int, typer.Option(help="Drafter processes.")] = 1,
+    verifiers: Annotated[int, typer.Option(help="Verifier processes.")] = 1,
+    target: Annotated[str, typer.Option(help="Target model (default: the bundled pair).")] = "",
+    draft: Annotated[str, typer.Option(help="Draft model (default: the bundled pair).")] = "",
+    redis: Annotated[str, typer.Option(help="External Redis URL (default: embedded).")] = "",
+    log_dir: Annotated[Path | None, typer.Option(help="Where the processes' logs go.")] = None,
+) -> None:
+    """Start the whole mesh locally: Redis, drafters, verifiers and the gateway."""
+    from rich.console import Console
+
+    from services.local_mesh import MeshSpec, run_until_signal, start_mesh
+    from services.models import load_tokenizer, vocab_hash
+
+    console = Console(stderr=True)
+    if bool(target) != bool(draft):
+        raise typer.BadParameter("give both --target and --draft, or neither")
+    if not target:
+        with console.status("building the bundled demo model pair"):
+            target, draft = _default_pair()
+    with console.status("checking that draft and target share a vocabulary"):
+        t_vocab, d_vocab = vocab_hash(load_tokenizer(target)), vocab_hash(load_tokenizer(draft))
+    if t_vocab and d_vocab and t_vocab != d_vocab:
+        console.print(f"[red]error:[/] draft {draft} and target {target} do not share a "
+                      "vocabulary: pick a draft model trained with the target's tokenizer")
+        raise typer.Exit(2)
+    spec = MeshSpec(target=target, draft=draft, port=port, drafters=drafters,
+                    verifiers=verifiers, redis_url=redis, log_dir=log_dir)
+    with console.status("starting the mesh"):
+        mesh = start_mesh(spec, progress=lambda m: console.print(f"  [green]SERVING[/] {m}"))
+    console.print(f"SpecMesh is up. Gateway: [bold]{mesh.gateway_address}[/]  (logs: "
+                  f"{mesh.procs[0].log_path.parent})\nTry: specmesh generate \"def fib(n):\"  "
+                  "— Ctrl-C stops everything.")
+    raise typer.Exit(run_until_signal(mesh))
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="Prompt text.")],
+    addr: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1:50051",
+    max_new_tokens: Annotated[int | None, typer.Option()] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy (default).")] = None,
+    top_p: Annotated[float | None, typer.Option()] = None,
+    top_k: Annotated[int | None, typer.Option()] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    num_draft_tokens: Annotated[int, typer.Option(help="0 = the gateway's choice.")] = 0,
+    no_speculation: Annotated[bool, typer.Option(help="Target-only decoding.")] = False,
+    session: Annotated[str, typer.Option(help="Continue this session.")] = "",
+    keep_session: Annotated[bool, typer.Option(help="Keep the session for later turns.")] = False,
+) -> None:
+    """Stream a completion from a gateway, then print a one-line summary."""
+    import grpc
+
+    from specmesh.client import GatewayClient, build_request, finish_name
+
+    request = build_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                            num_draft_tokens=num_draft_tokens,
+                            disable_speculation=no_speculation, session_id=session,
+                            keep_session=keep_session)
+    start = time.perf_counter()
+    last = None
+    try:
+        with GatewayClient(addr) as client:
+            for chunk in client.stream(request):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+    except grpc.RpcError as err:
+        typer.echo(f"\nerror: {err.code().name}: {err.details()}", err=True)
+        raise typer.Exit(1) from err
+    seconds = time.perf_counter() - start
+    u = last.usage
+    rate = u.accepted_draft_tokens / u.draft_tokens if u.draft_tokens else 0.0
+    typer.echo(f"\n[{u.completion_tokens} tokens, {u.rounds} rounds, acceptance "
+               f"{rate:.0%}, {u.completion_tokens / seconds:.1f} tokens/s, "
+               f"finish {finish_name(last.finish_reason)}, session {last.session_id}]", err=True)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""A small client of the public specmesh.v1.Gateway API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+@dataclass
+class StreamSummary:
+    text: str
+    token_ids: list[int]
+    session_id: str
+    finish_reason: str
+    usage: gateway_pb2.Usage
+    seconds: float
+    first_token_s: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        u = self.usage
+        return u.accepted_draft_tokens / u.draft_tokens if u.draft_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.usage.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def build_request(prompt: str = "", *, prompt_token_ids: list[int] | None = None,
+                  max_new_tokens: int | None = None, temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None,
+                  seed: int | None = None, stop: list[str] | None = None,
+                  num_draft_tokens: int = 0, disable_speculation: bool = False,
+                  session_id: str = "", keep_session: bool = False) -> gateway_pb2.GenerateRequest:
+    sampling = gateway_pb2.SamplingParams(stop=stop or [])
+    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
+                        ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt, prompt_token_ids=prompt_token_ids or [], sampling=sampling,
+        speculation=gateway_pb2.SpeculationParams(num_draft_tokens=num_draft_tokens,
+                                                  disable=disable_speculation),
+        session_id=session_id, keep_session=keep_session)
+
+
+class GatewayClient:
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.channel.close()
+
+    def generate(self, request: gateway_pb2.GenerateRequest,
+                 timeout: float | None = None) -> gateway_pb2.GenerateResponse:
+        return self.stub.Generate(request, timeout=timeout)
+
+    def stream(self, request: gateway_pb2.GenerateRequest,
+               timeout: float | None = None) -> Iterator[gateway_pb2.GenerateChunk]:
+        return self.stub.GenerateStream(request, timeout=timeout)
+
+    def close_session(self, session_id: str) -> int:
+        reply = self.stub.CloseSession(gateway_pb2.CloseSessionRequest(session_id=session_id))
+        return reply.committed_tokens
+
+
+def finish_name(value: int) -> str:
+    return gateway_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()

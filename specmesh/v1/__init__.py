@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the specmesh.v1 protocol."""

@@ -1,0 +1,34 @@
+from specmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftRequest(_message.Message):
+    __slots__ = ("cache", "num_tokens", "warp", "max_support")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WARP_FIELD_NUMBER: _ClassVar[int]
+    MAX_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    cache: _common_pb2.CacheDelta
+    num_tokens: int
+    warp: _common_pb2.WarpParams
+    max_support: int
+    def __init__(self, cache: _Optional[_Union[_common_pb2.CacheDelta, _Mapping]] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., max_support: _Optional[int] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("token_ids", "dists", "cached_len", "cache_hit", "compute_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDist]
+    cached_len: int
+    cache_hit: bool
+    compute_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., dists: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,34 @@
+from specmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("cache", "draft_token_ids", "draft_dists", "warp")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
+    WARP_FIELD_NUMBER: _ClassVar[int]
+    cache: _common_pb2.CacheDelta
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDist]
+    warp: _common_pb2.WarpParams
+    def __init__(self, cache: _Optional[_Union[_common_pb2.CacheDelta, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("num_accepted", "extra_token_id", "cached_len", "cache_hit", "compute_ms")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    extra_token_id: int
+    cached_len: int
+    cache_hit: bool
+    compute_ms: float
+    def __init__(self, num_accepted: _Optional[int] = ..., extra_token_id: _Optional[int] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ...) -> None: ...

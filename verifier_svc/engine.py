@@ -1,0 +1,81 @@
+"""The verifier: scores a session's pending tokens plus k drafts in ONE forward pass.
+
+It appends ``new_tokens + drafts`` to the session's target KV cache, applies
+the lossless acceptance rule (services.sampling), crops the cache to the
+committed length and returns the accepted count and the one extra token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.errors import InvalidArgument
+from services.kv_cache import SessionCaches
+from services.messages import VerifyCall, VerifyResult
+from services.model_runner import ModelRunner, check_delta
+from services.sampling import SparseDraft, validate_draft, verify_tokens
+
+
+class VerifierEngine:
+    def __init__(self, runner: ModelRunner, caches: SessionCaches, max_draft_tokens: int) -> None:
+        self.runner = runner
+        self.caches = caches
+        self.max_draft_tokens = max_draft_tokens
+
+    def _sparse_draft(self, call: VerifyCall) -> SparseDraft:
+        k = len(call.draft_ids)
+        if k > self.max_draft_tokens:
+            raise InvalidArgument(
+                f"{k} draft tokens exceed this verifier's limit of {self.max_draft_tokens}")
+        if call.params.greedy:
+            q_ids = torch.tensor([[t] for t in call.draft_ids], dtype=torch.long).reshape(k, 1)
+            q_probs = torch.ones(k, 1)
+        else:
+            if len(call.q_ids) != k or len(call.q_probs) != k:
+                raise InvalidArgument(
+                    f"sampling needs one draft distribution per draft token: got {len(call.q_ids)} "
+                    f"for {k} tokens")
+            width = max((len(ids) for ids in call.q_ids), default=1)
+            q_ids = torch.zeros(k, width, dtype=torch.long)  # [k, S]
+            q_probs = torch.zeros(k, width)  # [k, S]
+            for i, (ids, probs) in enumerate(zip(call.q_ids, call.q_probs, strict=True)):
+                if len(ids) != len(probs) or not ids:
+                    raise InvalidArgument(
+                        f"draft distribution {i} needs as many probs as token ids (and at least one)")
+                q_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                q_probs[i, : len(probs)] = torch.tensor(probs, dtype=torch.float32)
+        draft = SparseDraft(token_ids=torch.tensor(call.draft_ids, dtype=torch.long),
+                            q_ids=q_ids, q_probs=q_probs)
+        try:
+            validate_draft(draft, self.runner.meta.vocab_size)
+        except ValueError as exc:
+            raise InvalidArgument(f"bad draft: {exc}") from exc
+        return draft
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        delta = call.cache
+        k = len(call.draft_ids)
+        try:
+            call.params.validate()
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        check_delta(self.runner, delta.session_id, delta.base_len, delta.new_tokens, k)
+        draft = self._sparse_draft(call)
+        generator = torch.Generator().manual_seed(call.seed)
+
+        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash) as entry:
+            pending = list(delta.new_tokens)
+
+            def work() -> tuple[int, int]:
+                logits = self.runner.forward(pending + list(call.draft_ids), entry.kv,
+                                             start=delta.base_len, keep=k + 1)  # [k+1, V]
+                entry.tokens.extend(pending)
+                entry.tokens.extend(call.draft_ids)
+                accepted, extra = verify_tokens(draft, logits, call.params, generator)
+                entry.crop(delta.base_len + len(pending) + accepted)
+                return accepted, extra
+
+            (accepted, extra), ms = await self.runner.run(work)
+            return VerifyResult(num_accepted=accepted, extra_token=extra,
+                                cached_len=len(entry.tokens), cache_hit=delta.base_len > 0,
+                                compute_ms=ms)
