@@ -12,7 +12,7 @@ import torch
 
 from services.errors import InvalidArgument
 from services.kv_cache import SessionCaches
-from services.messages import DraftCall, DraftResult
+from services.messages import DraftCall, DraftResult, ReplicaStats
 from services.model_runner import ModelRunner, check_delta
 from services.sampling import sparse_draft_sample, warp_logits
 
@@ -22,8 +22,10 @@ class DrafterEngine:
         self.runner = runner
         self.caches = caches
         self.max_draft_tokens = max_draft_tokens
+        self.stats = ReplicaStats()
 
     async def draft(self, call: DraftCall) -> DraftResult:
+        self.stats.calls += 1
         delta = call.cache
         if not 1 <= call.num_tokens <= self.max_draft_tokens:
             raise InvalidArgument(
@@ -54,6 +56,8 @@ class DrafterEngine:
                 return out
 
             drafts, ms = await self.runner.run(work)
+            self.stats.fed_tokens += len(delta.new_tokens)
+            self.stats.draft_tokens += len(drafts)
             return DraftResult(
                 token_ids=tuple(t for t, _, _ in drafts),
                 q_ids=tuple(tuple(ids) for _, ids, _ in drafts),

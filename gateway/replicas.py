@@ -16,6 +16,11 @@ import grpc
 from specmesh.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 
+# A restarted replica is found again within ~1 s instead of gRPC's default backoff of up to 2 min.
+_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+              ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 @dataclass
 class Replica:
     address: str
@@ -39,8 +44,9 @@ class ReplicaPool:
         self.kind = kind
         self._retry_s = retry_s
         self.replicas: dict[str, Replica] = {}
+        options = [*channel_options, *_RECONNECT]
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=channel_options)
+            channel = grpc.aio.insecure_channel(address, options=options)
             self.replicas[address] = Replica(address, channel, stub_cls(channel))
 
     def __len__(self) -> int:
@@ -50,7 +56,9 @@ class ReplicaPool:
         preferred = self.replicas.get(prefer)
         if preferred is not None and preferred.up and prefer not in exclude:
             return preferred
-        candidates = [r for r in self.replicas.values() if r.up and r.address not in exclude]
+        allowed = [r for r in self.replicas.values() if r.address not in exclude]
+        # Replicas marked down are still tried when none is up: better a retry than a failure.
+        candidates = [r for r in allowed if r.up] or allowed
         if not candidates:
             return None
         return min(candidates, key=lambda r: (r.inflight, r.failures))

@@ -5,7 +5,14 @@ Used only at the edges: the servicers and the gateway's clients.
 
 from __future__ import annotations
 
-from services.messages import CacheDelta, DraftCall, DraftResult, VerifyCall, VerifyResult
+from services.messages import (
+    CacheDelta,
+    DraftCall,
+    DraftResult,
+    ReplicaStats,
+    VerifyCall,
+    VerifyResult,
+)
 from services.models import ModelMeta
 from services.sampling import SamplingParams
 from specmesh.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -89,3 +96,12 @@ def meta_to_pb(meta: ModelMeta, kind: str, max_draft_tokens: int) -> common_pb2.
                                 vocab_hash=meta.vocab_hash, vocab_size=meta.vocab_size,
                                 max_context=meta.max_context, eos_token_ids=meta.eos_token_ids,
                                 kind=kind, max_draft_tokens=max_draft_tokens)
+
+
+def stats_to_pb(s: ReplicaStats, caches, queue_depth: int) -> common_pb2.ReplicaStats:
+    """``caches``: the replica's SessionCaches (sessions, evictions, prefills, resyncs)."""
+    return common_pb2.ReplicaStats(
+        sessions=len(caches), calls=s.calls, fresh_prefills=caches.fresh_prefills,
+        resyncs_requested=caches.resyncs_requested, fed_tokens=s.fed_tokens,
+        draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
+        evictions=caches.evictions, queue_depth=queue_depth)

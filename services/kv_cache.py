@@ -43,6 +43,8 @@ class SessionCaches:
         self._entries: OrderedDict[str, SessionCache] = OrderedDict()
         self._busy: set[str] = set()
         self.evictions = 0
+        self.fresh_prefills = 0  # checkouts with base_len 0
+        self.resyncs_requested = 0  # checkouts answered ResyncRequired
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -63,12 +65,15 @@ class SessionCaches:
             raise Busy(f"session {session_id!r} is busy with another call on this replica")
         entry = self._entries.get(session_id)
         if base_len == 0:
+            self.fresh_prefills += 1
             entry = SessionCache(tokens=[], kv=self._new_kv())
         elif entry is None:
+            self.resyncs_requested += 1
             raise ResyncRequired(
                 f"session {session_id!r} has no cache on this replica: resend the committed "
                 "prefix with base_len=0")
         elif len(entry.tokens) < base_len or token_hash(entry.tokens[:base_len]) != base_hash:
+            self.resyncs_requested += 1
             raise ResyncRequired(
                 f"session {session_id!r}: cache holds {len(entry.tokens)} tokens that do not "
                 f"start with the assumed {base_len}-token prefix: resend with base_len=0")

@@ -56,6 +56,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    argv: list[str] = field(default_factory=list)
     address: str = ""
 
 
@@ -71,6 +72,21 @@ class Mesh:
 
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILLs one process (a crash, not a graceful stop)."""
+        proc = self.proc(name)
+        proc.popen.kill()
+        proc.popen.wait()
+
+    def restart(self, name: str, timeout: float = 120.0) -> None:
+        """Starts a killed or stopped process again with the same command line and port."""
+        proc = self.proc(name)
+        if proc.popen.poll() is None:
+            self.kill(name)
+        fresh = _spawn(proc.name, proc.argv, proc.log_path.parent)
+        proc.popen = fresh.popen
+        _wait(proc, timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         for p in reversed(self.procs):
@@ -91,7 +107,7 @@ def _spawn(name: str, argv: list[str], log_dir: Path) -> Proc:
     popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True)
     log.close()
-    return Proc(name=name, popen=popen, log_path=log_path)
+    return Proc(name=name, popen=popen, log_path=log_path, argv=argv)
 
 
 def _cli(*args: str) -> list[str]:

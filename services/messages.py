@@ -55,3 +55,13 @@ class VerifyResult:
     cached_len: int
     cache_hit: bool
     compute_ms: float
+
+
+@dataclass
+class ReplicaStats:
+    """Counters of a drafter or verifier (see common.proto ReplicaStats)."""
+
+    calls: int = 0
+    fed_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0

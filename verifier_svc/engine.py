@@ -11,7 +11,7 @@ import torch
 
 from services.errors import InvalidArgument
 from services.kv_cache import SessionCaches
-from services.messages import VerifyCall, VerifyResult
+from services.messages import ReplicaStats, VerifyCall, VerifyResult
 from services.model_runner import ModelRunner, check_delta
 from services.sampling import SparseDraft, validate_draft, verify_tokens
 
@@ -21,6 +21,7 @@ class VerifierEngine:
         self.runner = runner
         self.caches = caches
         self.max_draft_tokens = max_draft_tokens
+        self.stats = ReplicaStats()
 
     def _sparse_draft(self, call: VerifyCall) -> SparseDraft:
         k = len(call.draft_ids)
@@ -53,6 +54,7 @@ class VerifierEngine:
         return draft
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
+        self.stats.calls += 1
         delta = call.cache
         k = len(call.draft_ids)
         try:
@@ -76,6 +78,9 @@ class VerifierEngine:
                 return accepted, extra
 
             (accepted, extra), ms = await self.runner.run(work)
+            self.stats.fed_tokens += len(pending)
+            self.stats.draft_tokens += k
+            self.stats.accepted_tokens += accepted
             return VerifyResult(num_accepted=accepted, extra_token=extra,
                                 cached_len=len(entry.tokens), cache_hit=delta.base_len > 0,
                                 compute_ms=ms)

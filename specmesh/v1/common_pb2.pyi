@@ -73,3 +73,29 @@ class ReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStats(_message.Message):
+    __slots__ = ("sessions", "calls", "fresh_prefills", "resyncs_requested", "fed_tokens", "draft_tokens", "accepted_tokens", "evictions", "queue_depth")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    FRESH_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    FED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    calls: int
+    fresh_prefills: int
+    resyncs_requested: int
+    fed_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    evictions: int
+    queue_depth: int
+    def __init__(self, sessions: _Optional[int] = ..., calls: _Optional[int] = ..., fresh_prefills: _Optional[int] = ..., resyncs_requested: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...

@@ -51,6 +51,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_common__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/specmesh.v1.Drafter/GetStats',
+                request_serializer=specmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_common__pb2.ReplicaStats.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -76,6 +81,12 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +104,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=specmesh_dot_v1_dot_common__pb2.ModelInfoRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=specmesh_dot_v1_dot_common__pb2.StatsRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_common__pb2.ReplicaStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +193,33 @@ class Drafter:
             '/specmesh.v1.Drafter/GetModelInfo',
             specmesh_dot_v1_dot_common__pb2.ModelInfoRequest.SerializeToString,
             specmesh_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Drafter/GetStats',
+            specmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+            specmesh_dot_v1_dot_common__pb2.ReplicaStats.FromString,
             options,
             channel_credentials,
             insecure,

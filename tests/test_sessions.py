@@ -1,0 +1,149 @@
+"""Sessions across turns, concurrent use of one session, and replicas that lose their caches."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from specmesh.client import GatewayClient, build_request
+from specmesh.v1 import common_pb2, verifier_pb2_grpc
+from tests.conftest import hf_greedy, launch
+
+
+def verifier_stats(address: str) -> common_pb2.ReplicaStats:
+    with grpc.insecure_channel(address) as channel:
+        return verifier_pb2_grpc.VerifierStub(channel).GetStats(common_pb2.StatsRequest())
+
+
+def test_continued_session_equals_one_request_and_reuses_the_verifier_cache(mesh, target_model):
+    model, tokenizer = target_model
+    first_prompt = "class Parser:\n    def __init__(self, text):\n        self.text = text\n"
+    second_prompt = "    def parse(self):"
+    with GatewayClient(mesh.gateway_address) as client:
+        turn1 = client.generate(build_request(first_prompt, max_new_tokens=40, keep_session=True))
+        before = verifier_stats(mesh.verifier_addresses[0])
+        turn2 = client.generate(build_request(second_prompt, session_id=turn1.session_id,
+                                              max_new_tokens=24))
+        after = verifier_stats(mesh.verifier_addresses[0])
+        history = (tokenizer(first_prompt)["input_ids"] + list(turn1.token_ids)
+                   + tokenizer(second_prompt, add_special_tokens=False)["input_ids"])
+        single = client.generate(build_request(prompt_token_ids=history, max_new_tokens=24))
+        closed = client.close_session(turn1.session_id)
+
+    assert turn2.session_id == turn1.session_id
+    assert list(turn2.token_ids) == list(single.token_ids) == hf_greedy(model, history, 24)
+    assert turn2.usage.prompt_tokens == len(tokenizer(second_prompt, add_special_tokens=False)
+                                            ["input_ids"])
+    # No re-prefill: turn 2 started no cache from scratch, and fed the verifier only its own
+    # prompt and output (plus turn 1's last token), far fewer than the earlier turn's tokens.
+    assert after.fresh_prefills == before.fresh_prefills
+    fed = after.fed_tokens - before.fed_tokens
+    assert fed <= turn2.usage.prompt_tokens + turn2.usage.completion_tokens + 1
+    assert fed < len(tokenizer(first_prompt)["input_ids"]) + len(turn1.token_ids)
+    assert closed == len(history) + len(turn2.token_ids)
+
+
+def test_close_session_then_continue_is_not_found(mesh):
+    with GatewayClient(mesh.gateway_address) as client:
+        reply = client.generate(build_request("import os", max_new_tokens=4, keep_session=True))
+        client.close_session(reply.session_id)
+        for call in (lambda: client.close_session(reply.session_id),
+                     lambda: client.generate(build_request("x", session_id=reply.session_id))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "session" in err.value.details()
+
+
+def test_second_concurrent_request_on_a_session_is_aborted_and_the_session_survives(
+        mesh, target_model):
+    model, tokenizer = target_model
+    prompt = "def fibonacci(n):"
+    with GatewayClient(mesh.gateway_address) as client:
+        turn1 = client.generate(build_request(prompt, max_new_tokens=8, keep_session=True))
+        sid = turn1.session_id
+        stream = client.stream(build_request("\n", session_id=sid, max_new_tokens=300,
+                                             num_draft_tokens=1))
+        first = next(stream)
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(build_request(" more", session_id=sid, max_new_tokens=4))
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        assert "busy" in err.value.details()
+        rest = list(stream)
+        turn2_ids = list(first.token_ids) + [t for c in rest for t in c.token_ids]
+        # The aborted request changed nothing: a third turn continues exactly after turn 2.
+        turn3 = client.generate(build_request("#", session_id=sid, max_new_tokens=12))
+        client.close_session(sid)
+    history = (tokenizer(prompt)["input_ids"] + list(turn1.token_ids)
+               + tokenizer("\n", add_special_tokens=False)["input_ids"])
+    assert turn2_ids == hf_greedy(model, history, 300)
+    history += turn2_ids + tokenizer("#", add_special_tokens=False)["input_ids"]
+    assert list(turn3.token_ids) == hf_greedy(model, history, 12)
+
+
+def test_concurrent_sessions_do_not_interfere(mesh, target_model):
+    model, tokenizer = target_model
+    prompts = ["import os", "while True:", "class A:", "def f(x):"]
+    results: dict[str, list[int]] = {}
+
+    def run(prompt: str) -> None:
+        with GatewayClient(mesh.gateway_address) as client:
+            results[prompt] = list(client.generate(build_request(prompt, max_new_tokens=30))
+                                   .token_ids)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for prompt in prompts:
+        assert results[prompt] == hf_greedy(model, tokenizer(prompt)["input_ids"], 30), prompt
+
+
+@pytest.fixture(scope="module")
+def own_mesh(tiny_pair, redis_url, tmp_path_factory):
+    """A mesh of its own: these tests kill and restart its processes."""
+    m = launch(tiny_pair, redis_url, tmp_path_factory.mktemp("restart-logs"))
+    yield m
+    m.stop()
+
+
+@pytest.mark.parametrize("victim", ["verifier-0", "drafter-0"])
+def test_restarted_replica_is_resynced_and_output_is_unchanged(own_mesh, target_model, victim):
+    model, tokenizer = target_model
+    prompt, follow = "def parse(text):\n", "    return"
+    with GatewayClient(own_mesh.gateway_address) as client:
+        turn1 = client.generate(build_request(prompt, max_new_tokens=20, keep_session=True))
+        own_mesh.restart(victim)  # SIGKILL, then the same command on the same port: cache gone
+        turn2 = client.generate(build_request(follow, session_id=turn1.session_id,
+                                              max_new_tokens=20))
+        client.close_session(turn1.session_id)
+    history = (tokenizer(prompt)["input_ids"] + list(turn1.token_ids)
+               + tokenizer(follow, add_special_tokens=False)["input_ids"])
+    assert list(turn2.token_ids) == hf_greedy(model, history, 20)
+    if victim.startswith("verifier"):
+        stats = verifier_stats(own_mesh.proc(victim).address)
+        assert stats.fresh_prefills == 1 and stats.resyncs_requested == 1
+    else:
+        assert turn2.usage.draft_tokens > 0  # the restarted drafter drafted again
+
+
+def test_drafter_killed_mid_stream_request_completes_with_same_output(own_mesh, target_model):
+    model, tokenizer = target_model
+    prompt = "for i in range(10):"
+    with GatewayClient(own_mesh.gateway_address) as client:
+        stream = client.stream(build_request(prompt, max_new_tokens=60, num_draft_tokens=3))
+        chunks = [next(stream), next(stream)]
+        own_mesh.kill("drafter-0")
+        chunks += list(stream)
+    try:
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == hf_greedy(model, tokenizer(prompt)["input_ids"], 60)
+        # Rounds after the kill (allowing two that may have run ahead of the client) had no
+        # drafts: one token each.
+        assert len(chunks) > 6
+        assert all(len(c.token_ids) == 1 for c in chunks[4:])
+    finally:
+        own_mesh.restart("drafter-0")
