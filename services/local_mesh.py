@@ -105,9 +105,17 @@ def _spawn(name: str, argv: list[str], log_dir: Path) -> Proc:
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=_die_with_parent)
     log.close()
     return Proc(name=name, popen=popen, log_path=log_path, argv=argv)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent dies, even by SIGKILL (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _cli(*args: str) -> list[str]:

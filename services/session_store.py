@@ -128,15 +128,23 @@ class SessionStore:
             raise NotFound(f"unknown session_id {session_id!r}: it was closed, expired or never "
                            "existed; start a new session without session_id")
         f = {k.decode(): v.decode() for k, v in fields.items()}
-        tokens = _unpack(data or b"")
-        if len(tokens) != int(f["committed_len"]) or token_hash(tokens) != int(f["committed_hash"]):
-            raise Unavailable(f"session {session_id!r} handle is inconsistent in Redis")
-        return SessionHandle(
-            session_id=session_id, version=int(f["version"]), tokens=tokens,
-            verifier=f.get("verifier", ""), verifier_len=int(f.get("verifier_len", 0)),
-            drafter=f.get("drafter", ""), drafter_len=int(f.get("drafter_len", 0)),
-            target=f.get("target", ""), keep=f.get("keep") == "1",
-            sampling=json.loads(f.get("sampling") or "{}"))
+        data = data or b""
+        try:
+            if len(data) % 4:
+                raise ValueError("token bytes are not a multiple of 4")
+            tokens = _unpack(data)
+            if len(tokens) != int(f["committed_len"]) or token_hash(tokens) != int(
+                    f["committed_hash"]):
+                raise ValueError("tokens do not match the committed length and hash")
+            return SessionHandle(
+                session_id=session_id, version=int(f["version"]), tokens=tokens,
+                verifier=f.get("verifier", ""), verifier_len=int(f.get("verifier_len", 0)),
+                drafter=f.get("drafter", ""), drafter_len=int(f.get("drafter_len", 0)),
+                target=f.get("target", ""), keep=f.get("keep") == "1",
+                sampling=json.loads(f.get("sampling") or "{}"))
+        except (ValueError, KeyError) as exc:
+            raise Unavailable(f"session {session_id!r} handle is corrupt in Redis ({exc}); "
+                              "close it and start a new session") from exc
 
     async def commit(self, h: SessionHandle, appended: list[int], owner: str) -> None:
         """Appends ``appended`` to the committed tokens and stores h's fields, if the
