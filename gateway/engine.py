@@ -265,29 +265,41 @@ class GenerationEngine:
             yield Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
                         usage=req.usage if finish else None)
 
-    async def _draft(self, req: _Request, k: int, seed: int) -> DraftResult | None:
-        """Drafts k tokens; on a failed drafter tries another; None runs the round with k = 0."""
+    async def _on_replica(self, req: _Request, pool: ReplicaPool, role: str, call):
+        """Runs ``call(replica, base_len)`` on the replica holding the session's cache (role
+        "drafter" or "verifier"), resyncing from base 0 when asked; a failed replica is marked
+        down and the next one tried from scratch. None when no replica could answer."""
         h = req.handle
+        holder, valid = getattr(h, role), getattr(h, f"{role}_len")
         tried: set[str] = set()
-        while (replica := self.drafters.pick(h.drafter, frozenset(tried))) is not None:
-            base = min(h.drafter_len, len(h.tokens) - 1) if replica.address == h.drafter else 0
+        while (replica := pool.pick(holder, frozenset(tried))) is not None:
+            base = min(valid, len(h.tokens) - 1) if replica.address == holder else 0
             try:
                 try:
-                    result = await self._draft_call(req, replica, base, k, seed)
+                    result = await call(replica, base)
                 except ResyncRequired:
-                    result = await self._draft_call(req, replica, 0, k, seed)
+                    result = await call(replica, 0)
             except (ReplicaFailed, ResyncRequired) as exc:
-                log.warning("drafter %s failed (%s); trying another", replica.address, exc)
-                self.drafters.mark_down(replica)
+                log.warning("%s %s failed for session %s (%s); trying another", role,
+                            replica.address, h.session_id, exc)
+                pool.mark_down(replica)
                 tried.add(replica.address)
                 continue
-            self.drafters.mark_ok(replica)
-            h.drafter = replica.address
+            pool.mark_ok(replica)
+            setattr(h, role, replica.address)
             return result
-        log.warning("no drafter reachable: session %s runs this round without drafts",
-                    h.session_id)
-        h.drafter, h.drafter_len = "", 0
         return None
+
+    async def _draft(self, req: _Request, k: int, seed: int) -> DraftResult | None:
+        """Drafts k tokens; None (no drafter could answer) runs the round with k = 0."""
+        result = await self._on_replica(
+            req, self.drafters, "drafter",
+            lambda replica, base: self._draft_call(req, replica, base, k, seed))
+        if result is None:
+            log.warning("no drafter reachable: session %s runs this round without drafts",
+                        req.handle.session_id)
+            req.handle.drafter, req.handle.drafter_len = "", 0
+        return result
 
     async def _draft_call(self, req: _Request, replica, base: int, k: int,
                           seed: int) -> DraftResult:
@@ -297,26 +309,13 @@ class GenerationEngine:
         return await clients.draft(replica, call, self._timeout(req))
 
     async def _verify(self, req: _Request, draft: DraftResult | None, seed: int) -> VerifyResult:
-        h = req.handle
-        tried: set[str] = set()
-        while (replica := self.verifiers.pick(h.verifier, frozenset(tried))) is not None:
-            base = min(h.verifier_len, len(h.tokens) - 1) if replica.address == h.verifier else 0
-            try:
-                try:
-                    result = await self._verify_call(req, replica, base, draft, seed)
-                except ResyncRequired:
-                    result = await self._verify_call(req, replica, 0, draft, seed)
-            except (ReplicaFailed, ResyncRequired) as exc:
-                log.warning("verifier %s failed (%s); moving session %s", replica.address, exc,
-                            h.session_id)
-                self.verifiers.mark_down(replica)
-                tried.add(replica.address)
-                continue
-            self.verifiers.mark_ok(replica)
-            h.verifier = replica.address
-            return result
-        raise Unavailable(f"no verifier replica could serve the request (tried: "
-                          f"{', '.join(sorted(tried)) or 'none up'}): retry later")
+        result = await self._on_replica(
+            req, self.verifiers, "verifier",
+            lambda replica, base: self._verify_call(req, replica, base, draft, seed))
+        if result is None:
+            raise Unavailable(f"no verifier replica could serve the request (of "
+                              f"{len(self.verifiers)} configured): retry later")
+        return result
 
     async def _verify_call(self, req: _Request, replica, base: int, draft: DraftResult | None,
                            seed: int) -> VerifyResult:

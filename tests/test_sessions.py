@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
 import grpc
 import pytest
 
+from services.session_store import SessionStore
 from specmesh.client import GatewayClient, build_request
 from specmesh.v1 import common_pb2, verifier_pb2_grpc
 from tests.conftest import hf_greedy, launch
@@ -147,3 +150,46 @@ def test_drafter_killed_mid_stream_request_completes_with_same_output(own_mesh, 
         assert all(len(c.token_ids) == 1 for c in chunks[4:])
     finally:
         own_mesh.restart("drafter-0")
+
+
+def test_cancelled_stream_frees_the_session_for_the_next_request(mesh, target_model):
+    """A client that cancels mid-stream leaves a consistent session whose lease is free:
+    the next turn is accepted at once and continues exactly after the committed tokens."""
+    model, tokenizer = target_model
+    with GatewayClient(mesh.gateway_address) as client:
+        turn1 = client.generate(build_request("import sys\n", max_new_tokens=4,
+                                              keep_session=True))
+        sid = turn1.session_id
+        stream = client.stream(build_request("\n", session_id=sid, max_new_tokens=400,
+                                             num_draft_tokens=1))
+        next(stream)
+        stream.cancel()
+        deadline = time.monotonic() + 10
+        while True:  # the gateway notices the cancellation within one round
+            try:
+                turn3 = client.generate(build_request("#", session_id=sid, max_new_tokens=8))
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.ABORTED
+                assert time.monotonic() < deadline, "the cancelled request kept its lease"
+                time.sleep(0.05)
+        tokens = asyncio.run(_committed(mesh.redis_url, sid))
+        client.close_session(sid)
+    hash_ids = tokenizer("#", add_special_tokens=False)["input_ids"]
+    prefix = tokens[: len(tokens) - len(turn3.token_ids) - len(hash_ids)]
+    turn1_history = (tokenizer("import sys\n")["input_ids"] + list(turn1.token_ids)
+                     + tokenizer("\n", add_special_tokens=False)["input_ids"])
+    # The committed part of the cancelled turn is a prefix of its uninterrupted output...
+    partial = prefix[len(turn1_history):]
+    assert prefix[: len(turn1_history)] == turn1_history and partial
+    assert partial == hf_greedy(model, turn1_history, len(partial))
+    # ...and turn 3 continued exactly after it.
+    assert list(turn3.token_ids) == hf_greedy(model, prefix + hash_ids, 8)
+
+
+async def _committed(redis_url: str, session_id: str) -> list[int]:
+    store = SessionStore.from_url(redis_url, ttl_s=60, lease_s=1)
+    try:
+        return (await store.load(session_id)).tokens
+    finally:
+        await store.close()
