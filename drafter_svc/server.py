@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
+from opentelemetry import trace
+
 from drafter_svc.engine import DrafterEngine
 from services.config import ModelServiceConfig
 from services.convert import draft_call_from_pb, draft_result_to_pb
 from services.errors import grpc_errors
-from services.model_service import ModelServiceRpcs, build_parts, run_service
+from services.model_service import ModelServiceRpcs, build_metrics, build_parts, run_service
+from services.telemetry import TelemetryConfig, setup
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 
 class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine) -> None:
+    def __init__(self, engine: DrafterEngine, metrics) -> None:
         self.engine = engine
+        self.metrics = metrics
 
     @grpc_errors
     async def Draft(self, request, context):
-        result = await self.engine.draft(draft_call_from_pb(request))
+        call = draft_call_from_pb(request)
+        result = await self.observed(call.cache, lambda: self.engine.draft(call))
+        trace.get_current_span().set_attribute("specmesh.draft_tokens", len(result.token_ids))
+        self.metrics.draft_tokens.add(len(result.token_ids))
         return draft_result_to_pb(result)
 
 
-def run(config: ModelServiceConfig) -> None:
+def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
+    telemetry = setup(telemetry_config)
     runner, caches = build_parts(config)
     engine = DrafterEngine(runner, caches, config.max_draft_tokens)
+    servicer = DrafterServicer(engine, build_metrics(telemetry, "drafter", engine, config))
     name = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
-    run_service(config, engine, lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(
-        DrafterServicer(engine), server), name)
+    run_service(config, telemetry, engine,
+                lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),
+                name)

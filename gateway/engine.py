@@ -1,39 +1,34 @@
-"""The gateway's round loop: draft -> verify -> accept, one round per streamed chunk.
+"""The gateway's request lifecycle: session in Redis, rounds, streaming, telemetry.
 
-Per round (Leviathan et al. 2023): a drafter proposes k tokens with their
-sparse q; the verifier scores them in one forward pass and returns how many
-it accepted plus one token of its own; the gateway commits those tokens to
-the session handle in Redis (compare-and-set on the version), detokenizes
-them and streams them. Caches are addressed by deltas: each call names the
-prefix the replica is assumed to hold (length + hash) and sends only the rest.
+Each request takes its session's lease, runs rounds (gateway/rounds.py) until
+EOS, a stop string, max_new_tokens or the context limit, commits every round's
+tokens to the session handle (compare-and-set on the version) and streams
+them as one chunk per round with incremental detokenization.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import hashlib
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from gateway import clients
 from gateway.clients import ReplicaFailed
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
+from gateway.rounds import RoundResult, RoundRunner
 from services.config import GatewayConfig
-from services.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    Overloaded,
-    ResyncRequired,
-    Unavailable,
-)
-from services.hashing import token_hash
-from services.messages import CacheDelta, DraftCall, DraftResult, VerifyCall, VerifyResult
+from services.errors import InvalidArgument, Overloaded, Unavailable
+from services.metrics import GatewayMetrics
 from services.session_store import SessionHandle, SessionStore
 
 log = logging.getLogger(__name__)
@@ -72,38 +67,41 @@ class TargetLimits:
     max_context: int
     eos_token_ids: frozenset[int]
     fingerprint: str
+    model: str = ""
 
 
 @dataclass
 class _Request:
-    spec: GenerationSpec
+    spec: GenerationSpec | None
     handle: SessionHandle
     owner: str
     seed: int
     deadline: Callable[[], float | None]
     usage: Usage = field(default_factory=Usage)
-
-
-def round_seed(seed: int, round_index: int, role: str) -> int:
-    digest = hashlib.blake2b(f"{seed}:{round_index}:{role}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def _delta(session_id: str, tokens: list[int], base: int) -> CacheDelta:
-    return CacheDelta(session_id=session_id, base_len=base, base_hash=token_hash(tokens[:base]),
-                      new_tokens=tuple(tokens[base:]))
+    generated: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
 
 
 class GenerationEngine:
     def __init__(self, config: GatewayConfig, tokenizer, limits: TargetLimits,
-                 drafters: ReplicaPool, verifiers: ReplicaPool, store: SessionStore) -> None:
+                 drafters: ReplicaPool, verifiers: ReplicaPool, store: SessionStore,
+                 tracer: trace.Tracer | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.limits = limits
         self.drafters = drafters
         self.verifiers = verifiers
         self.store = store
+        self.rounds = RoundRunner(config, drafters, verifiers)
+        self.tracer = tracer or trace.get_tracer("specmesh")
+        self.metrics = metrics or GatewayMetrics(_noop_meter(), lambda: 0)
         self._inflight = 0
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
 
     # ----- request lifecycle -------------------------------------------------------------
 
@@ -113,15 +111,23 @@ class GenerationEngine:
             raise Overloaded(f"gateway is at its limit of {self.config.max_inflight} concurrent "
                              "requests: retry later")
         self._inflight += 1
+        self.metrics.active.add(1)
         try:
             req = await self._start(spec, deadline)
+            span = self._generate_span(req)
             try:
-                async for chunk in self._rounds(req):
+                async for chunk in self._stream(req, span):
                     yield chunk
+            except BaseException as exc:
+                span.record_exception(exc)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                raise
             finally:
+                span.end()
                 await self._finish(req)
         finally:
             self._inflight -= 1
+            self.metrics.active.add(-1)
 
     async def _tokenize(self, spec: GenerationSpec, continuing: bool) -> list[int]:
         if spec.prompt_ids:
@@ -193,139 +199,160 @@ class GenerationEngine:
 
     # ----- rounds ------------------------------------------------------------------------
 
-    def _timeout(self, req: _Request) -> float:
-        remaining = req.deadline()
-        if remaining is None:
-            return self.config.rpc_timeout_s
-        if remaining <= 0:
-            raise DeadlineExceeded("the request's deadline passed before it finished")
-        return min(self.config.rpc_timeout_s, remaining)
 
-    def _choose_k(self, req: _Request, generated: int) -> int:
+    # ----- telemetry ---------------------------------------------------------------------
+
+    def _generate_span(self, req: _Request) -> trace.Span:
+        """The request's span; it links to the previous turn of the session, if any."""
+        spec, h = req.spec, req.handle
+        links = []
+        if h.last_trace:
+            trace_id, span_id = (int(x, 16) for x in h.last_trace.split("-"))
+            links.append(Link(SpanContext(trace_id, span_id, is_remote=True,
+                                          trace_flags=TraceFlags(TraceFlags.SAMPLED))))
+        span = self.tracer.start_span("specmesh.generate", links=links, attributes={
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.model": self.limits.model,
+            "gen_ai.request.max_tokens": spec.max_new_tokens,
+            "gen_ai.request.temperature": spec.params.temperature,
+            "gen_ai.request.top_p": spec.params.top_p,
+            "gen_ai.request.top_k": spec.params.top_k,
+            "gen_ai.usage.input_tokens": req.usage.prompt_tokens,
+            "specmesh.session_id": h.session_id,
+            "specmesh.speculate": spec.speculate,
+        })
+        ctx = span.get_span_context()
+        h.last_trace = f"{ctx.trace_id:032x}-{ctx.span_id:016x}"
+        return span
+
+    def _round_span(self, parent: trace.Span, req: _Request, k: int) -> trace.Span:
+        return self.tracer.start_span(
+            "specmesh.round", context=trace.set_span_in_context(parent),
+            attributes={"specmesh.round.index": req.usage.rounds, "specmesh.round.k": k})
+
+    def _record_round(self, span: trace.Span, req: _Request, r: RoundResult, kept: int,
+                      seconds: float) -> None:
+        h = req.handle
+        network = (r.draft_ms - r.draft_compute_ms) + (r.verify_ms - r.verify_compute_ms)
+        span.set_attributes({
+            "specmesh.round.accepted": r.num_accepted,
+            "specmesh.round.first_rejection": (r.num_accepted if r.num_accepted < len(r.drafted)
+                                               else -1),
+            "specmesh.round.tokens": kept,
+            "specmesh.drafter": h.drafter if r.drafted else "",
+            "specmesh.verifier": h.verifier,
+            "specmesh.round.draft_ms": r.draft_ms,
+            "specmesh.round.verify_ms": r.verify_ms,
+            "specmesh.round.network_ms": network,
+        })
+        self.metrics.round(len(r.drafted), r.num_accepted, kept, seconds)
+        now = time.perf_counter()
+        if not req.first_token_at:
+            req.first_token_at = now
+            self.metrics.ttft.record(now - req.started)
+
+    def _record_finish(self, span: trace.Span, req: _Request, finish: Finish) -> None:
+        u = req.usage
+        span.set_attributes({
+            "gen_ai.usage.output_tokens": u.completion_tokens,
+            "gen_ai.response.finish_reasons": [finish.name.lower()],
+            "specmesh.rounds": u.rounds,
+            "specmesh.draft_tokens": u.draft_tokens,
+            "specmesh.accepted_draft_tokens": u.accepted_draft_tokens,
+            "specmesh.acceptance_rate": (u.accepted_draft_tokens / u.draft_tokens
+                                         if u.draft_tokens else 0.0),
+        })
+        self.metrics.requests.add(1, {"finish_reason": finish.name.lower()})
+        with trace.use_span(span):
+            log.info("request finished: session %s, %d prompt + %d completion tokens, %d rounds, "
+                     "%d/%d drafts accepted, finish %s", req.handle.session_id, u.prompt_tokens,
+                     u.completion_tokens, u.rounds, u.accepted_draft_tokens, u.draft_tokens,
+                     finish.name.lower())
+        if u.completion_tokens > 1:
+            self.metrics.itl.record((time.perf_counter() - req.first_token_at)
+                                    / (u.completion_tokens - 1))
+
+    # ----- rounds ------------------------------------------------------------------------
+
+    def _choose_k(self, req: _Request) -> int:
         spec = req.spec
         if not spec.speculate or len(self.drafters) == 0:
             return 0
         k = spec.num_draft_tokens or self.config.num_draft_tokens
         room = self.limits.max_context - len(req.handle.tokens) - 1
-        return max(0, min(k, spec.max_new_tokens - generated - 1, room))
+        return max(0, min(k, spec.max_new_tokens - req.generated - 1, room))
 
-    async def _rounds(self, req: _Request) -> AsyncIterator[Chunk]:
+    async def _stream(self, req: _Request, span: trace.Span) -> AsyncIterator[Chunk]:
         spec, h = req.spec, req.handle
         detok = IncrementalDetokenizer(self.tokenizer, list(h.tokens))
         stop = StopMatcher(list(spec.stop))
-        generated = 0
         finish: Finish | None = None
         while finish is None:
             if len(h.tokens) >= self.limits.max_context:
                 finish = Finish.CONTEXT
+                self._record_finish(span, req, finish)
+                yield Chunk(text=stop.flush(), token_ids=[], session_id=h.session_id,
+                            finish=finish, usage=req.usage)
                 break
-            k = self._choose_k(req, generated)
-            index = req.usage.rounds
-            draft = await self._draft(req, k, round_seed(req.seed, index, "draft")) if k else None
-            result = await self._verify(req, draft, round_seed(req.seed, index, "verify"))
-            drafted = list(draft.token_ids) if draft else []
-            proposed = drafted[: result.num_accepted] + [result.extra_token]
-
-            kept: list[int] = []
-            text = ""
-            for token in proposed:
-                kept.append(token)
-                generated += 1
-                if token in self.limits.eos_token_ids:
-                    finish = Finish.EOS
-                    break
-                piece, stopped = stop.feed(detok.push([token]))
-                text += piece
-                if stopped:
-                    finish = Finish.STOP
-                    break
-                if generated >= spec.max_new_tokens:
-                    finish = Finish.LENGTH
-                    break
-            if finish is None and len(h.tokens) + len(kept) >= self.limits.max_context:
-                finish = Finish.CONTEXT
-            if finish is not None and finish is not Finish.STOP:
-                tail, stopped = stop.feed(detok.flush())
-                text += tail
-                if stopped:
-                    finish = Finish.STOP
-                else:
-                    text += stop.flush()
-
-            old_len = len(h.tokens)
-            h.verifier_len = old_len + min(result.num_accepted, len(kept))
-            if draft is not None:
-                h.drafter_len = old_len + min(result.num_accepted, len(kept), len(drafted) - 1)
-            h.tokens.extend(kept)
-            req.usage.rounds += 1
-            req.usage.draft_tokens += len(drafted)
-            req.usage.accepted_draft_tokens += result.num_accepted
-            req.usage.completion_tokens = generated
-            await self.store.commit(h, kept, req.owner)
+            k = self._choose_k(req)
+            start = time.perf_counter()
+            round_span = self._round_span(span, req, k)
+            with trace.use_span(round_span, end_on_exit=True):
+                r = await self.rounds.run(h, spec.params, k, req.seed, req.usage.rounds,
+                                          req.deadline)
+                kept, text, finish = self._accept(req, r.proposed, detok, stop)
+                self._commit_counts(req, r, kept)
+                await self.store.commit(h, kept, req.owner)
+                self._record_round(round_span, req, r, len(kept), time.perf_counter() - start)
+            if finish is not None:
+                self._record_finish(span, req, finish)
             yield Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
                         usage=req.usage if finish else None)
 
-    async def _on_replica(self, req: _Request, pool: ReplicaPool, role: str, call):
-        """Runs ``call(replica, base_len)`` on the replica holding the session's cache (role
-        "drafter" or "verifier"), resyncing from base 0 when asked; a failed replica is marked
-        down and the next one tried from scratch. None when no replica could answer."""
+    def _accept(self, req: _Request, proposed: list[int], detok: IncrementalDetokenizer,
+                stop: StopMatcher) -> tuple[list[int], str, Finish | None]:
+        """Keeps the round's tokens up to EOS, a stop string or max_new_tokens."""
+        kept: list[int] = []
+        text = ""
+        finish = None
+        for token in proposed:
+            kept.append(token)
+            req.generated += 1
+            if token in self.limits.eos_token_ids:
+                finish = Finish.EOS
+                break
+            piece, stopped = stop.feed(detok.push([token]))
+            text += piece
+            if stopped:
+                finish = Finish.STOP
+                break
+            if req.generated >= req.spec.max_new_tokens:
+                finish = Finish.LENGTH
+                break
+        if finish is None and len(req.handle.tokens) + len(kept) >= self.limits.max_context:
+            finish = Finish.CONTEXT
+        if finish is not None and finish is not Finish.STOP:
+            tail, stopped = stop.feed(detok.flush())
+            text += tail
+            if stopped:
+                finish = Finish.STOP
+            else:
+                text += stop.flush()
+        return kept, text, finish
+
+    def _commit_counts(self, req: _Request, r: RoundResult, kept: list[int]) -> None:
+        """Appends ``kept`` to the handle and records how much of it each replica holds."""
         h = req.handle
-        holder, valid = getattr(h, role), getattr(h, f"{role}_len")
-        tried: set[str] = set()
-        while (replica := pool.pick(holder, frozenset(tried))) is not None:
-            base = min(valid, len(h.tokens) - 1) if replica.address == holder else 0
-            try:
-                try:
-                    result = await call(replica, base)
-                except ResyncRequired:
-                    result = await call(replica, 0)
-            except (ReplicaFailed, ResyncRequired) as exc:
-                log.warning("%s %s failed for session %s (%s); trying another", role,
-                            replica.address, h.session_id, exc)
-                pool.mark_down(replica)
-                tried.add(replica.address)
-                continue
-            pool.mark_ok(replica)
-            setattr(h, role, replica.address)
-            return result
-        return None
-
-    async def _draft(self, req: _Request, k: int, seed: int) -> DraftResult | None:
-        """Drafts k tokens; None (no drafter could answer) runs the round with k = 0."""
-        result = await self._on_replica(
-            req, self.drafters, "drafter",
-            lambda replica, base: self._draft_call(req, replica, base, k, seed))
-        if result is None:
-            log.warning("no drafter reachable: session %s runs this round without drafts",
-                        req.handle.session_id)
-            req.handle.drafter, req.handle.drafter_len = "", 0
-        return result
-
-    async def _draft_call(self, req: _Request, replica, base: int, k: int,
-                          seed: int) -> DraftResult:
-        call = DraftCall(cache=_delta(req.handle.session_id, req.handle.tokens, base),
-                         num_tokens=k, params=req.spec.params, seed=seed,
-                         max_support=self.config.max_support)
-        return await clients.draft(replica, call, self._timeout(req))
-
-    async def _verify(self, req: _Request, draft: DraftResult | None, seed: int) -> VerifyResult:
-        result = await self._on_replica(
-            req, self.verifiers, "verifier",
-            lambda replica, base: self._verify_call(req, replica, base, draft, seed))
-        if result is None:
-            raise Unavailable(f"no verifier replica could serve the request (of "
-                              f"{len(self.verifiers)} configured): retry later")
-        return result
-
-    async def _verify_call(self, req: _Request, replica, base: int, draft: DraftResult | None,
-                           seed: int) -> VerifyResult:
-        call = VerifyCall(
-            cache=_delta(req.handle.session_id, req.handle.tokens, base),
-            draft_ids=draft.token_ids if draft else (),
-            q_ids=draft.q_ids if draft and not req.spec.params.greedy else (),
-            q_probs=draft.q_probs if draft and not req.spec.params.greedy else (),
-            params=req.spec.params, seed=seed)
-        return await clients.verify(replica, call, self._timeout(req))
+        old_len = len(h.tokens)
+        # The verifier holds old + accepted drafts; the drafter old + all drafts but the last.
+        h.verifier_len = old_len + min(r.num_accepted, len(kept))
+        if r.drafted:
+            h.drafter_len = old_len + min(r.num_accepted, len(kept), len(r.drafted) - 1)
+        h.tokens.extend(kept)
+        req.usage.rounds += 1
+        req.usage.draft_tokens += len(r.drafted)
+        req.usage.accepted_draft_tokens += r.num_accepted
+        req.usage.completion_tokens = req.generated
 
     async def close_session(self, session_id: str) -> int:
         """Deletes a session and frees its caches; returns its committed token count."""
@@ -339,3 +366,9 @@ class GenerationEngine:
                        deadline=lambda: None)
         await self._finish(req)
         return len(handle.tokens)
+
+
+def _noop_meter():
+    from opentelemetry.metrics import NoOpMeterProvider
+
+    return NoOpMeterProvider().get_meter("specmesh")

@@ -38,7 +38,7 @@ class Replica:
 
 class ReplicaPool:
     def __init__(self, kind: str, addresses: tuple[str, ...], retry_s: float,
-                 channel_options: list[tuple[str, int]]) -> None:
+                 channel_options: list[tuple[str, int]], interceptors: list | None = None) -> None:
         stub_cls = {"drafter": drafter_pb2_grpc.DrafterStub,
                     "verifier": verifier_pb2_grpc.VerifierStub}[kind]
         self.kind = kind
@@ -46,7 +46,8 @@ class ReplicaPool:
         self.replicas: dict[str, Replica] = {}
         options = [*channel_options, *_RECONNECT]
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=options)
+            channel = grpc.aio.insecure_channel(address, options=options,
+                                                interceptors=interceptors or None)
             self.replicas[address] = Replica(address, channel, stub_cls(channel))
 
     def __len__(self) -> int:

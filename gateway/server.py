@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -12,9 +13,11 @@ from gateway.replicas import ReplicaPool
 from gateway.servicer import GatewayServicer
 from services.config import GatewayConfig
 from services.errors import InvalidArgument
+from services.metrics import GatewayMetrics
 from services.models import load_tokenizer, vocab_hash
 from services.server import serve
 from services.session_store import SessionStore
+from services.telemetry import Telemetry, TelemetryConfig, setup
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -71,10 +74,13 @@ def check_models(verifier_infos: dict, drafter_infos: dict, gateway_vocab: str) 
                         fingerprint=first.fingerprint)
 
 
-async def _main(config: GatewayConfig, wait_s: float) -> None:
+async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> None:
     options = config.server.grpc_options
-    verifiers = ReplicaPool("verifier", config.verifiers, config.replica_retry_s, options)
-    drafters = ReplicaPool("drafter", config.drafters, config.replica_retry_s, options)
+    interceptors = telemetry.client_interceptors()
+    verifiers = ReplicaPool("verifier", config.verifiers, config.replica_retry_s, options,
+                            interceptors)
+    drafters = ReplicaPool("drafter", config.drafters, config.replica_retry_s, options,
+                           interceptors)
     store = SessionStore.from_url(config.redis_url, config.session_ttl_s, config.lease_s)
     await store.ping()
     verifier_infos = await _infos(verifiers, wait_s)
@@ -84,7 +90,10 @@ async def _main(config: GatewayConfig, wait_s: float) -> None:
     if tokenizer is None:
         raise StartupError(f"no tokenizer found for the target {model!r}: pass --model")
     limits = check_models(verifier_infos, drafter_infos, vocab_hash(tokenizer))
+    limits = dataclasses.replace(limits, model=model)
     engine = GenerationEngine(config, tokenizer, limits, drafters, verifiers, store)
+    engine.tracer = telemetry.tracer
+    engine.metrics = GatewayMetrics(telemetry.meter, lambda: engine.inflight)
 
     def register(server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(engine, config), server)
@@ -93,10 +102,13 @@ async def _main(config: GatewayConfig, wait_s: float) -> None:
         await drafters.close()
         await verifiers.close()
         await store.close()
+        telemetry.shutdown()
 
     name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-    await serve(config.server, register, [name], on_stop=on_stop)
+    await serve(config.server, register, [name], on_stop=on_stop,
+                interceptors=telemetry.server_interceptors())
 
 
-def run(config: GatewayConfig, wait_s: float = 120.0) -> None:
-    asyncio.run(_main(config, wait_s))
+def run(config: GatewayConfig, telemetry_config: TelemetryConfig, wait_s: float = 120.0) -> None:
+    telemetry = setup(telemetry_config)
+    asyncio.run(_main(config, telemetry, wait_s))

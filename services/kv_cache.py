@@ -91,6 +91,9 @@ class SessionCaches:
         self._entries[session_id] = entry
         self._evict()
 
+    def total_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self._entries.values())
+
     def release(self, session_id: str) -> bool:
         return self._entries.pop(session_id, None) is not None
 

@@ -49,6 +49,7 @@ class MeshSpec:
     extra_drafter_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     startup_timeout_s: float = 180.0
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for the service processes
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     argv: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
     address: str = ""
 
 
@@ -84,7 +86,7 @@ class Mesh:
         proc = self.proc(name)
         if proc.popen.poll() is None:
             self.kill(name)
-        fresh = _spawn(proc.name, proc.argv, proc.log_path.parent)
+        fresh = _spawn(proc.name, proc.argv, proc.log_path.parent, proc.env)
         proc.popen = fresh.popen
         _wait(proc, timeout)
 
@@ -101,13 +103,14 @@ class Mesh:
                 p.popen.wait()
 
 
-def _spawn(name: str, argv: list[str], log_dir: Path) -> Proc:
+def _spawn(name: str, argv: list[str], log_dir: Path, env: dict | None = None) -> Proc:
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, preexec_fn=_die_with_parent)
+                             start_new_session=True, preexec_fn=_die_with_parent,
+                             env={**os.environ, **env} if env else None)
     log.close()
-    return Proc(name=name, popen=popen, log_path=log_path, argv=argv)
+    return Proc(name=name, popen=popen, log_path=log_path, argv=argv, env=env or {})
 
 
 def _die_with_parent() -> None:
@@ -151,7 +154,8 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
             for i in range(count):
                 port = free_port()
                 proc = _spawn(f"{kind}-{i}", _cli(kind, "--host", spec.host, "--port", str(port),
-                                                  "--model", model, *extra), log_dir)
+                                                  "--model", model, *extra), log_dir,
+                              dict(spec.env))
                 proc.address = f"{spec.host}:{port}"
                 procs.append(proc)
                 started.append(proc)
@@ -165,7 +169,8 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
                         "--verifiers", ",".join(mesh.verifier_addresses)]
         if mesh.drafter_addresses:
             gateway_args += ["--drafters", ",".join(mesh.drafter_addresses)]
-        proc = _spawn("gateway", _cli(*gateway_args, *spec.extra_gateway_args), log_dir)
+        proc = _spawn("gateway", _cli(*gateway_args, *spec.extra_gateway_args), log_dir,
+                      dict(spec.env))
         proc.address = mesh.gateway_address
         procs.append(proc)
         _wait(proc, spec.startup_timeout_s)

@@ -1,18 +1,23 @@
 """What the drafter and verifier services share: building the model parts, the
-Release / GetModelInfo / GetStats RPCs, and running the server."""
+Release / GetModelInfo / GetStats RPCs, telemetry of each call, and running the server."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+
+from opentelemetry import trace
 
 from services.config import ModelServiceConfig
 from services.convert import meta_to_pb, stats_to_pb
-from services.errors import InvalidArgument, grpc_errors
+from services.errors import InvalidArgument, ResyncRequired, grpc_errors
 from services.kv_cache import SessionCaches
+from services.messages import CacheDelta
+from services.metrics import ModelServiceMetrics
 from services.model_runner import ModelRunner
-from services.models import load_for_serving
+from services.models import kv_bytes_per_token, load_for_serving
 from services.server import serve
+from services.telemetry import Telemetry
 from specmesh.v1 import common_pb2
 
 
@@ -23,12 +28,50 @@ def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]
     return runner, SessionCaches(config.max_sessions, runner.new_kv)
 
 
+def build_metrics(telemetry: Telemetry, kind: str, engine,
+                  config: ModelServiceConfig) -> ModelServiceMetrics:
+    per_token = kv_bytes_per_token(engine.runner.model)
+    capacity = per_token * engine.runner.meta.max_context * config.max_sessions
+    return ModelServiceMetrics(
+        telemetry.meter, kind, queue_depth=lambda: engine.runner.queue_depth,
+        sessions=lambda: len(engine.caches),
+        kv_bytes=lambda: per_token * engine.caches.total_tokens(),
+        kv_capacity_bytes=lambda: capacity)
+
+
 class ModelServiceRpcs:
-    """Release, GetModelInfo and GetStats for a servicer whose ``engine`` has
-    ``runner``, ``caches``, ``stats``, ``max_draft_tokens``."""
+    """Release, GetModelInfo, GetStats and call telemetry for a servicer whose ``engine``
+    has ``runner``, ``caches``, ``stats``, ``max_draft_tokens``."""
 
     kind = "model"
     engine = None
+    metrics: ModelServiceMetrics | None = None
+
+    async def observed(self, delta: CacheDelta, work: Callable[[], Awaitable]):
+        """Runs one Draft/Verify, annotating the server span and recording metrics."""
+        span = trace.get_current_span()
+        span.set_attribute("specmesh.session_id", delta.session_id)
+        span.set_attribute("specmesh.base_len", delta.base_len)
+        span.set_attribute("specmesh.cache", "hit" if delta.base_len else "prefill")
+        span.set_attribute("specmesh.batch_size", 1)
+        m = self.metrics
+        m.inflight.add(1)
+        outcome = "error"
+        try:
+            result = await work()
+            outcome = "ok"
+        except ResyncRequired:
+            outcome = "resync"
+            span.set_attribute("specmesh.cache", "resync")
+            raise
+        finally:
+            m.inflight.add(-1)
+            m.calls.add(1, {"outcome": outcome})
+        span.set_attribute("specmesh.forward_ms", result.compute_ms)
+        m.forward.record(result.compute_ms / 1000.0)
+        m.batch_size.record(1)
+        m.fed_tokens.add(len(delta.new_tokens))
+        return result
 
     @grpc_errors
     async def Release(self, request, context):
@@ -46,8 +89,12 @@ class ModelServiceRpcs:
         return stats_to_pb(e.stats, e.caches, queue_depth=e.runner.queue_depth)
 
 
-def run_service(config: ModelServiceConfig, engine, register: Callable, service_name: str) -> None:
+def run_service(config: ModelServiceConfig, telemetry: Telemetry, engine,
+                register: Callable, service_name: str) -> None:
     async def on_stop() -> None:
         engine.runner.close()
+        telemetry.shutdown()
 
-    asyncio.run(serve(config.server, register, [service_name], on_stop=on_stop))
+    asyncio.run(serve(config.server, register, [service_name], on_stop=on_stop,
+                      interceptors=telemetry.server_interceptors()))
+

@@ -104,3 +104,13 @@ def load_for_serving(path: str, device_name: str, dtype: str, threads: int):
     log.info("loaded %s on %s: vocab %d, context %d, fingerprint %s", path, device,
              meta.vocab_size, meta.max_context, meta.fingerprint)
     return model, meta, device
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of keys and values one token occupies in the KV cache, over all layers."""
+    c = model.config
+    heads = getattr(c, "num_attention_heads", 1)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    dtype_bytes = next(model.parameters()).element_size()
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes

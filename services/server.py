@@ -23,6 +23,7 @@ async def serve(
     service_names: list[str],
     on_started: Callable[[int], None] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    interceptors: list | None = None,
 ) -> None:
     """Runs a server until SIGTERM/SIGINT; reports SERVING once it listens.
 
@@ -30,7 +31,7 @@ async def serve(
     ready. On a signal: health goes NOT_SERVING, in-flight calls get
     ``config.grace_s`` to finish, then ``on_stop`` closes clients.
     """
-    server = grpc.aio.server(options=config.grpc_options)
+    server = grpc.aio.server(options=config.grpc_options, interceptors=interceptors or ())
     register(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

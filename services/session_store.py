@@ -74,6 +74,7 @@ class SessionHandle:
     target: str = ""
     keep: bool = False
     sampling: dict = field(default_factory=dict)
+    last_trace: str = ""  # "traceid-spanid" of the latest turn's span, to link the next one
 
 
 def _pack(tokens: list[int]) -> bytes:
@@ -141,7 +142,7 @@ class SessionStore:
                 verifier=f.get("verifier", ""), verifier_len=int(f.get("verifier_len", 0)),
                 drafter=f.get("drafter", ""), drafter_len=int(f.get("drafter_len", 0)),
                 target=f.get("target", ""), keep=f.get("keep") == "1",
-                sampling=json.loads(f.get("sampling") or "{}"))
+                sampling=json.loads(f.get("sampling") or "{}"), last_trace=f.get("trace", ""))
         except (ValueError, KeyError) as exc:
             raise Unavailable(f"session {session_id!r} handle is corrupt in Redis ({exc}); "
                               "close it and start a new session") from exc
@@ -200,7 +201,7 @@ class SessionStore:
             "verifier", h.verifier, "verifier_len", h.verifier_len,
             "drafter", h.drafter, "drafter_len", h.drafter_len,
             "target", h.target, "keep", int(h.keep), "sampling", json.dumps(h.sampling),
-            "updated", now,
+            "trace", h.last_trace, "updated", now,
         ]
         if created:
             fields += ["version", h.version, "created", now]

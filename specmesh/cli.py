@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,18 +32,30 @@ MaxQueue = Annotated[int, typer.Option("--max-queue", envvar="SPECMESH_MAX_QUEUE
                                        help="Calls waiting for the model before "
                                             "RESOURCE_EXHAUSTED.")]
 LogLevel = Annotated[str, typer.Option("--log-level", envvar="SPECMESH_LOG_LEVEL")]
+LogFormat = Annotated[str, typer.Option("--log-format", envvar="SPECMESH_LOG_FORMAT",
+                                        help="json (one object per line, with trace ids) or "
+                                             "text.")]
+MetricsPort = Annotated[int, typer.Option("--metrics-port", envvar="SPECMESH_METRICS_PORT",
+                                          help="Serve Prometheus metrics on this port "
+                                               "(0 = off).")]
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _telemetry(service: str, metrics_port: int, log_format: str, log_level: str):
+    """Telemetry settings; OTLP export follows the standard OTEL_* variables."""
+    from services.telemetry import TelemetryConfig
+
+    try:
+        return TelemetryConfig(service=service, metrics_port=metrics_port, log_format=log_format,
+                               log_level=log_level,
+                               env={k: v for k, v in os.environ.items() if k.startswith("OTEL_")})
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 def _model_service(kind: str, host, port, model, device, dtype, max_sessions, max_draft, threads,
-                   max_queue, log_level) -> None:
+                   max_queue, telemetry) -> None:
     from services.config import ModelServiceConfig, ServerConfig
 
-    _logging(log_level)
     try:
         config = ModelServiceConfig(server=ServerConfig(port=port, host=host), model=model,
                                     device=device, dtype=dtype, max_sessions=max_sessions,
@@ -55,27 +67,31 @@ def _model_service(kind: str, host, port, model, device, dtype, max_sessions, ma
         from drafter_svc.server import run
     else:
         from verifier_svc.server import run
-    run(config)
+    run(config, telemetry)
 
 
 @app.command()
 def drafter(model: Model, port: Port = 50061, host: Host = "0.0.0.0", device: Device = "cpu",
             dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
             max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
+            metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
             log_level: LogLevel = "info") -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM."""
     _model_service("drafter", host, port, model, device, dtype, max_sessions, max_draft_tokens,
-                   threads, max_queue, log_level)
+                   threads, max_queue,
+                   _telemetry("drafter", metrics_port, log_format, log_level))
 
 
 @app.command()
 def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: Device = "auto",
              dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
              max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
+             metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
              log_level: LogLevel = "info") -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", host, port, model, device, dtype, max_sessions, max_draft_tokens,
-                   threads, max_queue, log_level)
+                   threads, max_queue,
+                   _telemetry("verifier", metrics_port, log_format, log_level))
 
 
 @app.command()
@@ -103,13 +119,15 @@ def gateway(
                                               help="Concurrent requests before "
                                                    "RESOURCE_EXHAUSTED.")] = 64,
     rpc_timeout_s: Annotated[float, typer.Option(envvar="SPECMESH_RPC_TIMEOUT_S")] = 30.0,
+    metrics_port: MetricsPort = 0,
+    log_format: LogFormat = "json",
     log_level: LogLevel = "info",
 ) -> None:
     """Run the gateway: the public specmesh.v1.Gateway API and the round loop."""
     from gateway.server import StartupError, run
     from services.config import GatewayConfig, ServerConfig, parse_addresses
 
-    _logging(log_level)
+    telemetry = _telemetry("gateway", metrics_port, log_format, log_level)
     try:
         config = GatewayConfig(
             server=ServerConfig(port=port, host=host), model=model, redis_url=redis,
@@ -121,7 +139,7 @@ def gateway(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:
-        run(config)
+        run(config, telemetry)
     except StartupError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -167,9 +185,11 @@ def up(
                     verifiers=verifiers, redis_url=redis, log_dir=log_dir)
     with console.status("starting the mesh"):
         mesh = start_mesh(spec, progress=lambda m: console.print(f"  [green]SERVING[/] {m}"))
+    exe = os.path.relpath(Path(sys.executable).parent / "specmesh")
+    exe = exe if not exe.startswith("..") else "specmesh"
     console.print(f"SpecMesh is up. Gateway: [bold]{mesh.gateway_address}[/]  (logs: "
-                  f"{mesh.procs[0].log_path.parent})\nTry: specmesh generate \"def fib(n):\"  "
-                  "— Ctrl-C stops everything.")
+                  f"{mesh.procs[0].log_path.parent})\nTry: {exe} generate \"def fib(n):\" "
+                  f"--addr {mesh.gateway_address}   — Ctrl-C stops everything.")
     raise typer.Exit(run_until_signal(mesh))
 
 

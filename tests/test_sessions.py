@@ -193,3 +193,30 @@ async def _committed(redis_url: str, session_id: str) -> list[int]:
         return (await store.load(session_id)).tokens
     finally:
         await store.close()
+
+
+@pytest.fixture(scope="module")
+def two_verifier_mesh(tiny_pair, redis_url, tmp_path_factory):
+    m = launch(tiny_pair, redis_url, tmp_path_factory.mktemp("failover-logs"), verifiers=2)
+    yield m
+    m.stop()
+
+
+def test_verifier_killed_mid_stream_moves_the_session_without_losing_a_token(
+        two_verifier_mesh, target_model):
+    """SIGKILL the verifier that holds the session's cache: the gateway re-prefills the
+    committed prefix on the other verifier; the stream has no lost or repeated token."""
+    model, tokenizer = target_model
+    mesh_ = two_verifier_mesh
+    prompt = "def parse(text):\n"
+    with GatewayClient(mesh_.gateway_address) as client:
+        stream = client.stream(build_request(prompt, max_new_tokens=80, num_draft_tokens=2))
+        chunks = [next(stream), next(stream)]
+        holder = next(name for name in ("verifier-0", "verifier-1")
+                      if verifier_stats(mesh_.proc(name).address).sessions > 0)
+        mesh_.kill(holder)
+        chunks += list(stream)
+    survivor = "verifier-1" if holder == "verifier-0" else "verifier-0"
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == hf_greedy(model, tokenizer(prompt)["input_ids"], 80)
+    assert verifier_stats(mesh_.proc(survivor).address).fresh_prefills >= 1

@@ -2,27 +2,40 @@
 
 from __future__ import annotations
 
+from opentelemetry import trace
+
 from services.config import ModelServiceConfig
 from services.convert import verify_call_from_pb, verify_result_to_pb
 from services.errors import grpc_errors
-from services.model_service import ModelServiceRpcs, build_parts, run_service
+from services.model_service import ModelServiceRpcs, build_metrics, build_parts, run_service
+from services.telemetry import TelemetryConfig, setup
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.engine import VerifierEngine
 
 
 class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine) -> None:
+    def __init__(self, engine: VerifierEngine, metrics) -> None:
         self.engine = engine
+        self.metrics = metrics
 
     @grpc_errors
     async def Verify(self, request, context):
-        result = await self.engine.verify(verify_call_from_pb(request))
+        call = verify_call_from_pb(request)
+        result = await self.observed(call.cache, lambda: self.engine.verify(call))
+        span = trace.get_current_span()
+        span.set_attribute("specmesh.draft_tokens", len(call.draft_ids))
+        span.set_attribute("specmesh.accepted", result.num_accepted)
+        self.metrics.draft_tokens.add(len(call.draft_ids))
+        self.metrics.accepted_tokens.add(result.num_accepted)
         return verify_result_to_pb(result)
 
 
-def run(config: ModelServiceConfig) -> None:
+def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
+    telemetry = setup(telemetry_config)
     runner, caches = build_parts(config)
     engine = VerifierEngine(runner, caches, config.max_draft_tokens)
+    servicer = VerifierServicer(engine, build_metrics(telemetry, "verifier", engine, config))
     name = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
-    run_service(config, engine, lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(
-        VerifierServicer(engine), server), name)
+    run_service(config, telemetry, engine,
+                lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
+                name)

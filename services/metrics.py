@@ -1,0 +1,95 @@
+"""The metrics each tier exports (OTel metrics API; Prometheus names replace dots by
+underscores and add ``_total`` to counters). docs/observability.md lists them all."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0)
+
+
+def _gauge(meter: metrics.Meter, name: str, unit: str, description: str,
+           read: Callable[[], float]) -> None:
+    def callback(_: CallbackOptions):
+        yield Observation(read())
+
+    meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
+
+
+class GatewayMetrics:
+    def __init__(self, meter: metrics.Meter, active_sessions: Callable[[], int]) -> None:
+        self.tokens = meter.create_counter(
+            "specmesh.tokens.generated", unit="{token}", description="Completion tokens streamed")
+        self.proposed = meter.create_counter(
+            "specmesh.draft.tokens.proposed", unit="{token}",
+            description="Draft tokens proposed, by draft position (0-based)")
+        self.accepted = meter.create_counter(
+            "specmesh.draft.tokens.accepted", unit="{token}",
+            description="Draft tokens accepted, by draft position (0-based)")
+        self.rounds = meter.create_counter("specmesh.rounds", unit="{round}",
+                                           description="Draft -> verify rounds")
+        self.requests = meter.create_counter("specmesh.requests", unit="{request}",
+                                             description="Finished requests, by finish reason")
+        self.round_duration = meter.create_histogram(
+            "specmesh.round.duration", unit="s", description="Wall time of one round",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token", unit="s",
+            description="Time from request to its first streamed token",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.itl = meter.create_histogram(
+            "gen_ai.server.time_per_output_token", unit="s",
+            description="Time per output token after the first",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.active = meter.create_up_down_counter(
+            "specmesh.requests.active", unit="{request}", description="Requests in flight")
+        _gauge(meter, "specmesh.sessions.active", "{session}",
+               "Sessions this gateway is advancing now", active_sessions)
+
+    def round(self, proposed: int, accepted: int, kept: int, seconds: float) -> None:
+        self.rounds.add(1)
+        self.tokens.add(kept)
+        self.round_duration.record(seconds)
+        for position in range(proposed):
+            self.proposed.add(1, {"position": position})
+            if position < accepted:
+                self.accepted.add(1, {"position": position})
+
+
+class ModelServiceMetrics:
+    """Drafter and verifier: work done, forward time, queue, KV cache use."""
+
+    def __init__(self, meter: metrics.Meter, kind: str, queue_depth: Callable[[], int],
+                 sessions: Callable[[], int], kv_bytes: Callable[[], int],
+                 kv_capacity_bytes: Callable[[], int]) -> None:
+        self.calls = meter.create_counter(f"specmesh.{kind}.calls", unit="{call}",
+                                          description=f"{kind} calls answered, by outcome")
+        self.draft_tokens = meter.create_counter(
+            f"specmesh.{kind}.draft_tokens", unit="{token}",
+            description="Tokens drafted (drafter) or draft tokens verified (verifier)")
+        self.accepted_tokens = meter.create_counter(
+            f"specmesh.{kind}.accepted_tokens", unit="{token}",
+            description="Draft tokens accepted (verifier)")
+        self.fed_tokens = meter.create_counter(
+            f"specmesh.{kind}.fed_tokens", unit="{token}",
+            description="Committed tokens appended to KV caches")
+        self.forward = meter.create_histogram(
+            f"specmesh.{kind}.forward.duration", unit="s", description="Model compute per call",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.batch_size = meter.create_histogram(
+            f"specmesh.{kind}.batch_size", unit="{request}",
+            description="Requests per forward pass",
+            explicit_bucket_boundaries_advisory=(1, 2, 4, 8, 16, 32, 64))
+        self.inflight = meter.create_up_down_counter(
+            f"specmesh.{kind}.inflight", unit="{call}", description="Calls being served now")
+        _gauge(meter, f"specmesh.{kind}.queue_depth", "{call}",
+               "Calls waiting for or running on the model", queue_depth)
+        _gauge(meter, f"specmesh.{kind}.sessions", "{session}", "Session KV caches held",
+               sessions)
+        _gauge(meter, "specmesh.kv_cache.bytes_used", "By", "KV cache bytes held", kv_bytes)
+        _gauge(meter, "specmesh.kv_cache.capacity_bytes", "By",
+               "KV cache bytes at --max-sessions full-context sessions", kv_capacity_bytes)
