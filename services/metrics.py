@@ -90,6 +90,6 @@ class ModelServiceMetrics:
                "Calls waiting for or running on the model", queue_depth)
         _gauge(meter, f"specmesh.{kind}.sessions", "{session}", "Session KV caches held",
                sessions)
-        _gauge(meter, "specmesh.kv_cache.bytes_used", "By", "KV cache bytes held", kv_bytes)
-        _gauge(meter, "specmesh.kv_cache.capacity_bytes", "By",
+        _gauge(meter, "specmesh.kv_cache.used", "By", "KV cache bytes held", kv_bytes)
+        _gauge(meter, "specmesh.kv_cache.capacity", "By",
                "KV cache bytes at --max-sessions full-context sessions", kv_capacity_bytes)

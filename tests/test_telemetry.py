@@ -208,3 +208,18 @@ def test_metrics_move_exactly_as_the_usage_says(traced_mesh):
     assert proposed == sorted(proposed, reverse=True) and proposed[0] <= u.rounds
     assert _total(after["verifier"], "specmesh_kv_cache_capacity_bytes") > 0
     assert "gen_ai_server_time_to_first_token_seconds_count" in {n for n, _ in after["gateway"]}
+
+
+def test_dashboard_and_docs_name_only_metrics_that_exist(traced_mesh):
+    """Every metric the Grafana dashboard and docs/observability.md query is exported."""
+    import re
+    from pathlib import Path
+
+    _, ports = traced_mesh
+    exported = {name for port in ports.values() for name, _ in _scrape(port)}
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs/grafana/specmesh.json").read_text()
+    text += (root / "docs/observability.md").read_text().split("## PromQL")[1]
+    queried = set(re.findall(r"\b((?:specmesh|gen_ai)_[a-z_]+)\b", text))
+    assert queried, "no metric found in the dashboard"
+    assert sorted(queried - exported) == []
