@@ -24,6 +24,19 @@ class DrafterEngine:
         self.max_draft_tokens = max_draft_tokens
         self.stats = ReplicaStats()
 
+    kind = "model"
+
+    @property
+    def meta(self):
+        return self.runner.meta
+
+    @property
+    def queue_depth(self) -> int:
+        return self.runner.queue_depth
+
+    def close(self) -> None:
+        self.runner.close()
+
     async def draft(self, call: DraftCall) -> DraftResult:
         self.stats.calls += 1
         delta = call.cache
@@ -36,7 +49,7 @@ class DrafterEngine:
             call.params.validate()
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        check_delta(self.runner, delta.session_id, delta.base_len, delta.new_tokens,
+        check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens,
                     call.num_tokens - 1)
         generator = torch.Generator().manual_seed(call.seed)
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 from opentelemetry import trace
 
 from drafter_svc.engine import DrafterEngine
+from drafter_svc.ngram import NgramDrafterEngine
 from services.config import ModelServiceConfig
 from services.convert import draft_call_from_pb, draft_result_to_pb
 from services.errors import grpc_errors
+from services.kv_cache import SessionCaches
 from services.model_service import ModelServiceRpcs, build_metrics, build_parts, run_service
+from services.models import describe_without_weights
 from services.telemetry import TelemetryConfig, setup
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 
 class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine, metrics) -> None:
+    def __init__(self, engine: DrafterEngine | NgramDrafterEngine, metrics) -> None:
         self.engine = engine
         self.metrics = metrics
 
@@ -27,10 +30,18 @@ class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
         return draft_result_to_pb(result)
 
 
+def build_engine(config: ModelServiceConfig) -> DrafterEngine | NgramDrafterEngine:
+    if config.kind == "ngram":
+        caches = SessionCaches(config.max_sessions, new_kv=lambda: None)
+        return NgramDrafterEngine(describe_without_weights(config.model), caches,
+                                  config.max_draft_tokens)
+    runner, caches = build_parts(config)
+    return DrafterEngine(runner, caches, config.max_draft_tokens)
+
+
 def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
     telemetry = setup(telemetry_config)
-    runner, caches = build_parts(config)
-    engine = DrafterEngine(runner, caches, config.max_draft_tokens)
+    engine = build_engine(config)
     servicer = DrafterServicer(engine, build_metrics(telemetry, "drafter", engine, config))
     name = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
     run_service(config, telemetry, engine,

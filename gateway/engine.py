@@ -144,6 +144,9 @@ class GenerationEngine:
         return list(encoded["input_ids"])
 
     async def _start(self, spec: GenerationSpec, deadline) -> _Request:
+        if spec.speculate and spec.drafter_kind and spec.drafter_kind not in self.drafters.kinds():
+            raise InvalidArgument(f"no {spec.drafter_kind} drafter is configured on this gateway "
+                                  f"(kinds: {', '.join(sorted(self.drafters.kinds())) or 'none'})")
         owner = uuid.uuid4().hex
         if spec.session_id:
             handle = await self.store.load(spec.session_id)
@@ -274,6 +277,14 @@ class GenerationEngine:
 
     # ----- rounds ------------------------------------------------------------------------
 
+    def _drafter_kind(self, spec: GenerationSpec) -> str:
+        """The request's drafter kind, else the default, else whichever kind there is."""
+        kinds = self.drafters.kinds()
+        if spec.drafter_kind:
+            return spec.drafter_kind
+        kind = self.config.default_drafter_kind
+        return kind if kind in kinds or not kinds else sorted(kinds)[0]
+
     def _choose_k(self, req: _Request) -> int:
         spec = req.spec
         if not spec.speculate or len(self.drafters) == 0:
@@ -298,8 +309,8 @@ class GenerationEngine:
             start = time.perf_counter()
             round_span = self._round_span(span, req, k)
             with trace.use_span(round_span, end_on_exit=True):
-                r = await self.rounds.run(h, spec.params, k, req.seed, req.usage.rounds,
-                                          req.deadline)
+                r = await self.rounds.run(h, spec.params, k, self._drafter_kind(spec),
+                                          req.seed, req.usage.rounds, req.deadline)
                 kept, text, finish = self._accept(req, r.proposed, detok, stop)
                 self._commit_counts(req, r, kept)
                 await self.store.commit(h, kept, req.owner)
@@ -344,10 +355,11 @@ class GenerationEngine:
         """Appends ``kept`` to the handle and records how much of it each replica holds."""
         h = req.handle
         old_len = len(h.tokens)
-        # The verifier holds old + accepted drafts; the drafter old + all drafts but the last.
+        # The verifier holds old + the accepted drafts; the drafter old + the first
+        # (drafter_cached - old_len) drafts. Their caches are valid as far as those match.
         h.verifier_len = old_len + min(r.num_accepted, len(kept))
-        if r.drafted:
-            h.drafter_len = old_len + min(r.num_accepted, len(kept), len(r.drafted) - 1)
+        if r.drafter_cached:
+            h.drafter_len = old_len + min(r.drafter_cached - old_len, r.num_accepted, len(kept))
         h.tokens.extend(kept)
         req.usage.rounds += 1
         req.usage.draft_tokens += len(r.drafted)

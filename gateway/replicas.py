@@ -53,11 +53,17 @@ class ReplicaPool:
     def __len__(self) -> int:
         return len(self.replicas)
 
-    def pick(self, prefer: str = "", exclude: frozenset[str] = frozenset()) -> Replica | None:
+    def kinds(self) -> set[str]:
+        return {r.info.kind for r in self.replicas.values() if r.info is not None}
+
+    def pick(self, prefer: str = "", exclude: frozenset[str] = frozenset(),
+             kind: str = "") -> Replica | None:
+        """``kind``: only replicas whose ModelInfo reports that kind ("" = any)."""
+        allowed = [r for r in self.replicas.values() if r.address not in exclude
+                   and (not kind or (r.info is not None and r.info.kind == kind))]
         preferred = self.replicas.get(prefer)
-        if preferred is not None and preferred.up and prefer not in exclude:
+        if preferred is not None and preferred.up and preferred in allowed:
             return preferred
-        allowed = [r for r in self.replicas.values() if r.address not in exclude]
         # Replicas marked down are still tried when none is up: better a retry than a failure.
         candidates = [r for r in allowed if r.up] or allowed
         if not candidates:

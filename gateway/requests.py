@@ -25,6 +25,7 @@ class GenerationSpec:
     seed: int | None
     num_draft_tokens: int  # 0 = the gateway's choice
     speculate: bool
+    drafter_kind: str  # "" = the gateway's default
     session_id: str  # "" = a new session
     keep_session: bool
 
@@ -65,6 +66,9 @@ def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -
     if not 0 <= spec.num_draft_tokens <= 64:
         raise InvalidArgument(f"speculation.num_draft_tokens must be in 0..64 (0 = automatic), "
                               f"got {spec.num_draft_tokens}")
+    if spec.drafter not in ("", "model", "ngram"):
+        raise InvalidArgument(f"speculation.drafter must be \"model\", \"ngram\" or empty (the "
+                              f"gateway's default), got {spec.drafter!r}")
     return GenerationSpec(
         prompt=req.prompt,
         prompt_ids=tuple(req.prompt_token_ids),
@@ -74,6 +78,7 @@ def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -
         seed=s.seed if s.HasField("seed") else None,
         num_draft_tokens=spec.num_draft_tokens,
         speculate=not spec.disable,
+        drafter_kind=spec.drafter,
         session_id=req.session_id,
         keep_session=req.keep_session or bool(req.session_id),
     )

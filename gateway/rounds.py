@@ -42,6 +42,7 @@ def _delta(session_id: str, tokens: list[int], base: int) -> CacheDelta:
 @dataclass(frozen=True)
 class RoundResult:
     drafted: tuple[int, ...]
+    drafter_cached: int  # tokens the drafter's cache holds after the call (0: no call)
     num_accepted: int
     extra_token: int
     draft_ms: float  # wall time of the draft call(s), 0 without drafts
@@ -62,21 +63,24 @@ class RoundRunner:
         self.drafters = drafters
         self.verifiers = verifiers
 
-    async def run(self, h: SessionHandle, params: SamplingParams, k: int, seed: int,
+    async def run(self, h: SessionHandle, params: SamplingParams, k: int, kind: str, seed: int,
                   round_index: int, deadline: Callable[[], float | None]) -> RoundResult:
-        """Drafts k tokens (k = 0: none) and verifies them for session ``h``; updates the
-        handle's replica fields (who holds the caches) but not its tokens."""
+        """Drafts up to k tokens with a drafter of ``kind`` (k = 0: none) and verifies them
+        for session ``h``; updates the handle's replica fields (who holds the caches) but
+        not its tokens."""
         start = time.perf_counter()
         draft = None
         if k:
-            draft = await self._draft(h, params, k, round_seed(seed, round_index, "draft"),
-                                      deadline)
+            draft = await self._draft(h, params, k, kind,
+                                      round_seed(seed, round_index, "draft"), deadline)
         mid = time.perf_counter()
-        result = await self._verify(h, params, draft, round_seed(seed, round_index, "verify"),
-                                    deadline)
+        drafted = draft if draft is not None and draft.token_ids else None
+        result = await self._verify(h, params, drafted,
+                                    round_seed(seed, round_index, "verify"), deadline)
         end = time.perf_counter()
         return RoundResult(
-            drafted=draft.token_ids if draft else (), num_accepted=result.num_accepted,
+            drafted=draft.token_ids if draft else (),
+            drafter_cached=draft.cached_len if draft else 0, num_accepted=result.num_accepted,
             extra_token=result.extra_token, draft_ms=(mid - start) * 1000 if draft else 0.0,
             verify_ms=(end - mid) * 1000,
             draft_compute_ms=draft.compute_ms if draft else 0.0,
@@ -90,13 +94,14 @@ class RoundRunner:
             raise DeadlineExceeded("the request's deadline passed before it finished")
         return min(self.config.rpc_timeout_s, remaining)
 
-    async def _on_replica(self, h: SessionHandle, pool: ReplicaPool, role: str, call):
+    async def _on_replica(self, h: SessionHandle, pool: ReplicaPool, role: str, call,
+                          kind: str = ""):
         """Runs ``call(replica, base_len)`` on the replica holding the session's cache (role
         "drafter" or "verifier"), resyncing from base 0 when asked; a failed replica is marked
         down and the next one tried from scratch. None when no replica could answer."""
         holder, valid = getattr(h, role), getattr(h, f"{role}_len")
         tried: set[str] = set()
-        while (replica := pool.pick(holder, frozenset(tried))) is not None:
+        while (replica := pool.pick(holder, frozenset(tried), kind)) is not None:
             base = min(valid, len(h.tokens) - 1) if replica.address == holder else 0
             try:
                 try:
@@ -114,8 +119,8 @@ class RoundRunner:
             return result
         return None
 
-    async def _draft(self, h: SessionHandle, params: SamplingParams, k: int, seed: int,
-                     deadline) -> DraftResult | None:
+    async def _draft(self, h: SessionHandle, params: SamplingParams, k: int, kind: str,
+                     seed: int, deadline) -> DraftResult | None:
         """Drafts k tokens; None (no drafter could answer) runs the round with k = 0."""
 
         async def call(replica, base: int) -> DraftResult:
@@ -124,7 +129,7 @@ class RoundRunner:
                 cache=delta, num_tokens=k, params=params, seed=seed,
                 max_support=self.config.max_support), self._timeout(deadline))
 
-        result = await self._on_replica(h, self.drafters, "drafter", call)
+        result = await self._on_replica(h, self.drafters, "drafter", call, kind)
         if result is None:
             log.warning("no drafter reachable: session %s runs this round without drafts",
                         h.session_id)

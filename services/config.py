@@ -62,6 +62,7 @@ class ModelServiceConfig:
     max_draft_tokens: int = 16
     threads: int = 0
     max_queue: int = 64
+    kind: str = "model"  # drafters: "model" or "ngram" (prompt lookup, no weights loaded)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
@@ -91,6 +92,7 @@ class GatewayConfig:
     rpc_timeout_s: float = 30.0
     max_inflight: int = 64
     replica_retry_s: float = 2.0
+    default_drafter_kind: str = "model"
 
     def __post_init__(self) -> None:
         _require(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -104,3 +106,5 @@ class GatewayConfig:
         _require(self.lease_s > 0, "session lease must be > 0 s")
         _require(self.rpc_timeout_s > 0, "RPC timeout must be > 0 s")
         _require(self.max_inflight >= 1, "max in-flight requests must be >= 1")
+        _require(self.default_drafter_kind in ("model", "ngram"),
+                 "default drafter kind must be model or ngram")

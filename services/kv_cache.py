@@ -30,7 +30,8 @@ class SessionCache:
         """Keeps the first ``length`` positions (cache.crop(-n) drops the last n)."""
         drop = len(self.tokens) - length
         if drop > 0:
-            self.kv.crop(-drop)
+            if self.kv is not None:  # None: a drafter without a model (n-gram)
+                self.kv.crop(-drop)
             del self.tokens[length:]
 
 

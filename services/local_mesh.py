@@ -41,6 +41,7 @@ class MeshSpec:
     draft: str
     port: int = 50051
     drafters: int = 1
+    ngram_drafters: int = 0
     verifiers: int = 1
     redis_url: str = ""  # "" = start an embedded redis-server
     host: str = "127.0.0.1"
@@ -147,20 +148,22 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
             mesh.redis_url = f"redis://127.0.0.1:{port}/0"
             _wait_redis(port, proc)
             progress(f"redis       {mesh.redis_url}")
-        models = [("verifier", spec.verifiers, spec.target, spec.extra_verifier_args),
-                  ("drafter", spec.drafters, spec.draft, spec.extra_drafter_args)]
+        tiers = [("verifier", "verifier", spec.verifiers, spec.target, spec.extra_verifier_args),
+                 ("drafter", "drafter", spec.drafters, spec.draft, spec.extra_drafter_args),
+                 ("ngram", "drafter", spec.ngram_drafters, spec.target,
+                  ("--kind", "ngram", *spec.extra_drafter_args))]
         started: list[Proc] = []
-        for kind, count, model, extra in models:
+        for name, command, count, model, extra in tiers:
             for i in range(count):
                 port = free_port()
-                proc = _spawn(f"{kind}-{i}", _cli(kind, "--host", spec.host, "--port", str(port),
-                                                  "--model", model, *extra), log_dir,
-                              dict(spec.env))
+                proc = _spawn(f"{name}-{i}", _cli(command, "--host", spec.host, "--port",
+                                                  str(port), "--model", model, *extra),
+                              log_dir, dict(spec.env))
                 proc.address = f"{spec.host}:{port}"
                 procs.append(proc)
                 started.append(proc)
-                (mesh.verifier_addresses if kind == "verifier" else mesh.drafter_addresses).append(
-                    proc.address)
+                (mesh.verifier_addresses if command == "verifier" else mesh.drafter_addresses
+                 ).append(proc.address)
         for proc in started:
             _wait(proc, spec.startup_timeout_s)
             progress(f"{proc.name:<11} {proc.address}")

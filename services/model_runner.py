@@ -63,19 +63,6 @@ class ModelRunner:
                          use_cache=True, logits_to_keep=keep)
         return out.logits[0, -keep:].float().cpu()  # [keep, V]
 
-    def check_tokens(self, tokens: Sequence[int], what: str) -> None:
-        bad = [t for t in tokens if not 0 <= t < self.meta.vocab_size]
-        if bad:
-            raise InvalidArgument(
-                f"{what} contains token ids outside the vocabulary [0, {self.meta.vocab_size}): "
-                f"{bad[:5]}")
-
-    def check_context(self, total: int) -> None:
-        if total > self.meta.max_context:
-            raise InvalidArgument(
-                f"sequence of {total} tokens exceeds the model's context of "
-                f"{self.meta.max_context}: shorten the prompt or max_new_tokens")
-
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -86,7 +73,14 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
     return result, (time.perf_counter() - start) * 1000.0
 
 
-def check_delta(runner: ModelRunner, session_id: str, base_len: int, new_tokens: Sequence[int],
+def check_tokens(meta: ModelMeta, tokens: Sequence[int], what: str) -> None:
+    bad = [t for t in tokens if not 0 <= t < meta.vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what} contains token ids outside the vocabulary "
+                              f"[0, {meta.vocab_size}): {bad[:5]}")
+
+
+def check_delta(meta: ModelMeta, session_id: str, base_len: int, new_tokens: Sequence[int],
                 extra: int) -> None:
     """Validates a cache delta before any cache is touched; ``extra`` = tokens appended after it."""
     if not 1 <= len(session_id) <= 128 or not session_id.isprintable():
@@ -97,5 +91,9 @@ def check_delta(runner: ModelRunner, session_id: str, base_len: int, new_tokens:
         raise InvalidArgument(
             "new_tokens is empty: send at least the last committed token (its distribution "
             "is what the next token is drawn from)")
-    runner.check_tokens(new_tokens, "new_tokens")
-    runner.check_context(base_len + len(new_tokens) + extra)
+    check_tokens(meta, new_tokens, "new_tokens")
+    total = base_len + len(new_tokens) + extra
+    if total > meta.max_context:
+        raise InvalidArgument(
+            f"sequence of {total} tokens exceeds the model's context of {meta.max_context}: "
+            "shorten the prompt or max_new_tokens")

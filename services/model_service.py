@@ -30,10 +30,11 @@ def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]
 
 def build_metrics(telemetry: Telemetry, kind: str, engine,
                   config: ModelServiceConfig) -> ModelServiceMetrics:
-    per_token = kv_bytes_per_token(engine.runner.model)
-    capacity = per_token * engine.runner.meta.max_context * config.max_sessions
+    runner = getattr(engine, "runner", None)
+    per_token = kv_bytes_per_token(runner.model) if runner is not None else 0
+    capacity = per_token * engine.meta.max_context * config.max_sessions
     return ModelServiceMetrics(
-        telemetry.meter, kind, queue_depth=lambda: engine.runner.queue_depth,
+        telemetry.meter, kind, queue_depth=lambda: engine.queue_depth,
         sessions=lambda: len(engine.caches),
         kv_bytes=lambda: per_token * engine.caches.total_tokens(),
         kv_capacity_bytes=lambda: capacity)
@@ -41,9 +42,9 @@ def build_metrics(telemetry: Telemetry, kind: str, engine,
 
 class ModelServiceRpcs:
     """Release, GetModelInfo, GetStats and call telemetry for a servicer whose ``engine``
-    has ``runner``, ``caches``, ``stats``, ``max_draft_tokens``."""
+    has ``meta``, ``queue_depth``, ``caches``, ``stats``, ``max_draft_tokens``, ``kind``
+    and ``close()``."""
 
-    kind = "model"
     engine = None
     metrics: ModelServiceMetrics | None = None
 
@@ -81,18 +82,18 @@ class ModelServiceRpcs:
 
     @grpc_errors
     async def GetModelInfo(self, request, context):
-        return meta_to_pb(self.engine.runner.meta, self.kind, self.engine.max_draft_tokens)
+        return meta_to_pb(self.engine.meta, self.engine.kind, self.engine.max_draft_tokens)
 
     @grpc_errors
     async def GetStats(self, request, context):
         e = self.engine
-        return stats_to_pb(e.stats, e.caches, queue_depth=e.runner.queue_depth)
+        return stats_to_pb(e.stats, e.caches, queue_depth=e.queue_depth)
 
 
 def run_service(config: ModelServiceConfig, telemetry: Telemetry, engine,
                 register: Callable, service_name: str) -> None:
     async def on_stop() -> None:
-        engine.runner.close()
+        engine.close()
         telemetry.shutdown()
 
     asyncio.run(serve(config.server, register, [service_name], on_stop=on_stop,

@@ -114,3 +114,25 @@ def kv_bytes_per_token(model) -> int:
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     dtype_bytes = next(model.parameters()).element_size()
     return 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+def describe_without_weights(path: str) -> ModelMeta:
+    """A model's vocabulary and limits from its config and tokenizer, without its weights
+    (for drafters that need no model, such as the n-gram drafter)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
+    eos = getattr(config, "eos_token_id", None)
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        pass
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    return ModelMeta(
+        model=path,
+        fingerprint=hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
+        vocab_hash=vocab_hash(tokenizer),
+        vocab_size=int(config.vocab_size),
+        max_context=int(getattr(config, "max_position_embeddings", None) or 2048),
+        eos_token_ids=eos_ids)

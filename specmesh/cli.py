@@ -53,14 +53,14 @@ def _telemetry(service: str, metrics_port: int, log_format: str, log_level: str)
 
 
 def _model_service(kind: str, host, port, model, device, dtype, max_sessions, max_draft, threads,
-                   max_queue, telemetry) -> None:
+                   max_queue, telemetry, drafter_kind: str = "model") -> None:
     from services.config import ModelServiceConfig, ServerConfig
 
     try:
         config = ModelServiceConfig(server=ServerConfig(port=port, host=host), model=model,
                                     device=device, dtype=dtype, max_sessions=max_sessions,
                                     max_draft_tokens=max_draft, threads=threads,
-                                    max_queue=max_queue)
+                                    max_queue=max_queue, kind=drafter_kind)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if kind == "drafter":
@@ -71,15 +71,21 @@ def _model_service(kind: str, host, port, model, device, dtype, max_sessions, ma
 
 
 @app.command()
-def drafter(model: Model, port: Port = 50061, host: Host = "0.0.0.0", device: Device = "cpu",
+def drafter(model: Model,
+            kind: Annotated[str, typer.Option("--kind", envvar="SPECMESH_DRAFTER_KIND",
+                                              help="model (a small causal LM) or ngram (prompt "
+                                                   "lookup; --model then only names the "
+                                                   "tokenizer and limits).")] = "model",
+            port: Port = 50061, host: Host = "0.0.0.0", device: Device = "cpu",
             dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
             max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
             metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
             log_level: LogLevel = "info") -> None:
-    """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM."""
+    """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
+    prompt lookup (--kind ngram)."""
     _model_service("drafter", host, port, model, device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
-                   _telemetry("drafter", metrics_port, log_format, log_level))
+                   _telemetry("drafter", metrics_port, log_format, log_level), kind)
 
 
 @app.command()
@@ -109,6 +115,9 @@ def gateway(
     host: Host = "0.0.0.0",
     num_draft_tokens: Annotated[int, typer.Option(envvar="SPECMESH_NUM_DRAFT_TOKENS",
                                                   help="Default draft tokens per round.")] = 4,
+    default_drafter_kind: Annotated[str, typer.Option(
+        envvar="SPECMESH_DEFAULT_DRAFTER_KIND",
+        help="Drafter kind for requests that name none: model or ngram.")] = "model",
     max_support: Annotated[int, typer.Option(envvar="SPECMESH_MAX_SUPPORT",
                                              help="Largest sparse-q support per position.")] = 32,
     default_max_new_tokens: Annotated[int, typer.Option(
@@ -133,6 +142,7 @@ def gateway(
             server=ServerConfig(port=port, host=host), model=model, redis_url=redis,
             drafters=parse_addresses(drafters), verifiers=parse_addresses(verifiers),
             num_draft_tokens=num_draft_tokens, max_support=max_support,
+            default_drafter_kind=default_drafter_kind,
             default_max_new_tokens=default_max_new_tokens,
             max_new_tokens_cap=max_new_tokens_cap, session_ttl_s=session_ttl_s,
             max_inflight=max_inflight, rpc_timeout_s=rpc_timeout_s)
@@ -156,7 +166,8 @@ def _default_pair() -> tuple[str, str]:
 @app.command()
 def up(
     port: Annotated[int, typer.Option(help="Gateway port.")] = 50051,
-    drafters: Annotated[int, typer.Option(help="Drafter processes.")] = 1,
+    drafters: Annotated[int, typer.Option(help="Model drafter processes.")] = 1,
+    ngram_drafters: Annotated[int, typer.Option(help="Prompt-lookup drafter processes.")] = 0,
     verifiers: Annotated[int, typer.Option(help="Verifier processes.")] = 1,
     target: Annotated[str, typer.Option(help="Target model (default: the bundled pair).")] = "",
     draft: Annotated[str, typer.Option(help="Draft model (default: the bundled pair).")] = "",
@@ -182,6 +193,7 @@ def up(
                       "vocabulary: pick a draft model trained with the target's tokenizer")
         raise typer.Exit(2)
     spec = MeshSpec(target=target, draft=draft, port=port, drafters=drafters,
+                    ngram_drafters=ngram_drafters,
                     verifiers=verifiers, redis_url=redis, log_dir=log_dir)
     with console.status("starting the mesh"):
         mesh = start_mesh(spec, progress=lambda m: console.print(f"  [green]SERVING[/] {m}"))
@@ -205,6 +217,8 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     num_draft_tokens: Annotated[int, typer.Option(help="0 = the gateway's choice.")] = 0,
     no_speculation: Annotated[bool, typer.Option(help="Target-only decoding.")] = False,
+    drafter: Annotated[str, typer.Option(help="Drafter kind: model or ngram (default: the "
+                                              "gateway's).")] = "",
     session: Annotated[str, typer.Option(help="Continue this session.")] = "",
     keep_session: Annotated[bool, typer.Option(help="Keep the session for later turns.")] = False,
 ) -> None:
@@ -216,7 +230,8 @@ def generate(
     request = build_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                             num_draft_tokens=num_draft_tokens,
-                            disable_speculation=no_speculation, session_id=session,
+                            disable_speculation=no_speculation, drafter=drafter,
+                            session_id=session,
                             keep_session=keep_session)
     start = time.perf_counter()
     last = None

@@ -35,6 +35,7 @@ def build_request(prompt: str = "", *, prompt_token_ids: list[int] | None = None
                   top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop: list[str] | None = None,
                   num_draft_tokens: int = 0, disable_speculation: bool = False,
+                  drafter: str = "",
                   session_id: str = "", keep_session: bool = False) -> gateway_pb2.GenerateRequest:
     sampling = gateway_pb2.SamplingParams(stop=stop or [])
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
@@ -44,7 +45,7 @@ def build_request(prompt: str = "", *, prompt_token_ids: list[int] | None = None
     return gateway_pb2.GenerateRequest(
         prompt=prompt, prompt_token_ids=prompt_token_ids or [], sampling=sampling,
         speculation=gateway_pb2.SpeculationParams(num_draft_tokens=num_draft_tokens,
-                                                  disable=disable_speculation),
+                                                  disable=disable_speculation, drafter=drafter),
         session_id=session_id, keep_session=keep_session)
 
 

@@ -61,11 +61,16 @@ def launch(tiny_pair, redis_url, log_dir: Path, **kwargs) -> Mesh:
     return start_mesh(spec)
 
 
+MAX_INFLIGHT = 6
+
+
 @pytest.fixture(scope="session")
 def mesh(tiny_pair, redis_url, tmp_path_factory):
-    """One drafter, one verifier, one gateway, shared by tests that leave them running."""
-    m = launch(tiny_pair, redis_url, tmp_path_factory.mktemp("mesh-logs"),
-               extra_gateway_args=("--max-new-tokens-cap", "512"))
+    """A model drafter, an n-gram drafter, a verifier and a gateway, shared by tests that
+    leave them running."""
+    m = launch(tiny_pair, redis_url, tmp_path_factory.mktemp("mesh-logs"), ngram_drafters=1,
+               extra_gateway_args=("--max-new-tokens-cap", "512",
+                                   "--max-inflight", str(MAX_INFLIGHT)))
     yield m
     m.stop()
 

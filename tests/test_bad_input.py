@@ -60,3 +60,35 @@ def test_close_session_without_id_is_invalid(client):
     with pytest.raises(grpc.RpcError) as err:
         client.stub.CloseSession(gateway_pb2.CloseSessionRequest())
     assert err.value.code() == INVALID
+
+
+def test_overload_answers_resource_exhausted_at_once_and_recovers(mesh):
+    """With --max-inflight requests streaming, one more is refused quickly instead of queued;
+    when they end, requests are served again."""
+    import time
+
+    from tests.conftest import MAX_INFLIGHT
+
+    with GatewayClient(mesh.gateway_address) as client:
+        streams = [client.stream(build_request("while True:", max_new_tokens=500,
+                                               num_draft_tokens=1))
+                   for _ in range(MAX_INFLIGHT)]
+        for s in streams:
+            next(s)  # each is now in flight
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(build_request("import os", max_new_tokens=2))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry" in err.value.details()
+        assert time.monotonic() - start < 2.0
+        for s in streams:
+            s.cancel()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.generate(build_request("import os", max_new_tokens=2)).token_ids
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() < deadline
+                time.sleep(0.05)

@@ -23,6 +23,19 @@ class VerifierEngine:
         self.max_draft_tokens = max_draft_tokens
         self.stats = ReplicaStats()
 
+    kind = "model"
+
+    @property
+    def meta(self):
+        return self.runner.meta
+
+    @property
+    def queue_depth(self) -> int:
+        return self.runner.queue_depth
+
+    def close(self) -> None:
+        self.runner.close()
+
     def _sparse_draft(self, call: VerifyCall) -> SparseDraft:
         k = len(call.draft_ids)
         if k > self.max_draft_tokens:
@@ -61,7 +74,7 @@ class VerifierEngine:
             call.params.validate()
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        check_delta(self.runner, delta.session_id, delta.base_len, delta.new_tokens, k)
+        check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens, k)
         draft = self._sparse_draft(call)
         generator = torch.Generator().manual_seed(call.seed)
 

@@ -37,12 +37,14 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_draft_tokens", "disable")
+    __slots__ = ("num_draft_tokens", "disable", "drafter")
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISABLE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     num_draft_tokens: int
     disable: bool
-    def __init__(self, num_draft_tokens: _Optional[int] = ..., disable: _Optional[bool] = ...) -> None: ...
+    drafter: str
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., disable: _Optional[bool] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "sampling", "speculation", "session_id", "keep_session")
