@@ -21,6 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from gateway import clients
+from gateway.adaptive import AdaptiveK, CostModel
 from gateway.clients import ReplicaFailed
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.replicas import ReplicaPool
@@ -68,6 +69,7 @@ class TargetLimits:
     eos_token_ids: frozenset[int]
     fingerprint: str
     model: str = ""
+    max_draft_tokens: int = 64  # the smallest limit of the drafters and verifiers
 
 
 @dataclass
@@ -81,6 +83,7 @@ class _Request:
     generated: int = 0
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
+    adaptive: AdaptiveK | None = None  # None: a fixed k
 
 
 class GenerationEngine:
@@ -97,6 +100,7 @@ class GenerationEngine:
         self.rounds = RoundRunner(config, drafters, verifiers)
         self.tracer = tracer or trace.get_tracer("specmesh")
         self.metrics = metrics or GatewayMetrics(_noop_meter(), lambda: 0)
+        self.costs: dict[str, CostModel] = {}  # per drafter kind
         self._inflight = 0
 
     @property
@@ -285,13 +289,29 @@ class GenerationEngine:
         kind = self.config.default_drafter_kind
         return kind if kind in kinds or not kinds else sorted(kinds)[0]
 
-    def _choose_k(self, req: _Request) -> int:
+    def _choose_k(self, req: _Request, kind: str) -> int:
+        """The request's k, else the gateway's, else the adaptive choice; capped by the
+        remaining budget and context."""
         spec = req.spec
         if not spec.speculate or len(self.drafters) == 0:
             return 0
         k = spec.num_draft_tokens or self.config.num_draft_tokens
+        if not k:
+            if req.adaptive is None:
+                req.adaptive = AdaptiveK(self.costs.setdefault(kind, CostModel()),
+                                         self.config.max_adaptive_k)
+            k = req.adaptive.next_k()
         room = self.limits.max_context - len(req.handle.tokens) - 1
-        return max(0, min(k, spec.max_new_tokens - req.generated - 1, room))
+        return max(0, min(k, self.limits.max_draft_tokens, spec.max_new_tokens - req.generated - 1,
+                          room))
+
+    def _learn(self, req: _Request, kind: str, r: RoundResult) -> None:
+        """Feeds the round's measured costs and acceptance to the adaptive k."""
+        k = len(r.drafted)
+        self.costs.setdefault(kind, CostModel()).observe(
+            k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
+        if req.adaptive is not None:
+            req.adaptive.observe(k, r.num_accepted)
 
     async def _stream(self, req: _Request, span: trace.Span) -> AsyncIterator[Chunk]:
         spec, h = req.spec, req.handle
@@ -305,12 +325,14 @@ class GenerationEngine:
                 yield Chunk(text=stop.flush(), token_ids=[], session_id=h.session_id,
                             finish=finish, usage=req.usage)
                 break
-            k = self._choose_k(req)
+            kind = self._drafter_kind(spec)
+            k = self._choose_k(req, kind)
             start = time.perf_counter()
             round_span = self._round_span(span, req, k)
             with trace.use_span(round_span, end_on_exit=True):
-                r = await self.rounds.run(h, spec.params, k, self._drafter_kind(spec),
-                                          req.seed, req.usage.rounds, req.deadline)
+                r = await self.rounds.run(h, spec.params, k, kind, req.seed, req.usage.rounds,
+                                          req.deadline)
+                self._learn(req, kind, r)
                 kept, text, finish = self._accept(req, r.proposed, detok, stop)
                 self._commit_counts(req, r, kept)
                 await self.store.commit(h, kept, req.owner)

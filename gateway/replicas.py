@@ -8,6 +8,7 @@ in flight from this gateway. A replica that fails a call is marked down for
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -39,16 +40,28 @@ class Replica:
 class ReplicaPool:
     def __init__(self, kind: str, addresses: tuple[str, ...], retry_s: float,
                  channel_options: list[tuple[str, int]], interceptors: list | None = None) -> None:
-        stub_cls = {"drafter": drafter_pb2_grpc.DrafterStub,
-                    "verifier": verifier_pb2_grpc.VerifierStub}[kind]
+        self._stub_cls = {"drafter": drafter_pb2_grpc.DrafterStub,
+                          "verifier": verifier_pb2_grpc.VerifierStub}[kind]
         self.kind = kind
         self._retry_s = retry_s
+        self._options = [*channel_options, *_RECONNECT]
+        self._interceptors = interceptors or None
         self.replicas: dict[str, Replica] = {}
-        options = [*channel_options, *_RECONNECT]
-        for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=options,
-                                                interceptors=interceptors or None)
-            self.replicas[address] = Replica(address, channel, stub_cls(channel))
+        self.update(frozenset(addresses))
+
+    def update(self, addresses: frozenset[str]) -> list[Replica]:
+        """Follows discovery: adds replicas for new addresses, drops vanished ones (their
+        channels close after a grace period); returns the added replicas."""
+        added = []
+        for address in sorted(addresses - self.replicas.keys()):
+            channel = grpc.aio.insecure_channel(address, options=self._options,
+                                                interceptors=self._interceptors)
+            self.replicas[address] = Replica(address, channel, self._stub_cls(channel))
+            added.append(self.replicas[address])
+        for address in self.replicas.keys() - addresses:
+            replica = self.replicas.pop(address)
+            asyncio.get_running_loop().create_task(replica.channel.close(grace=10.0))
+        return added
 
     def __len__(self) -> int:
         return len(self.replicas)

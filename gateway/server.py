@@ -27,11 +27,12 @@ class StartupError(RuntimeError):
     """The mesh cannot serve as configured; the message says what to fix."""
 
 
-async def _infos(pool: ReplicaPool, wait_s: float) -> dict[str, object]:
+async def _infos(pool: ReplicaPool, wait_s: float, replicas=None) -> dict[str, object]:
     """ModelInfo of every replica, waiting up to ``wait_s`` for each to answer."""
     deadline = time.monotonic() + wait_s
     infos: dict[str, object] = {}
-    for address, replica in pool.replicas.items():
+    for replica in list(pool.replicas.values()) if replicas is None else replicas:
+        address = replica.address
         while True:
             try:
                 replica.info = await clients.model_info(replica, timeout=5.0)
@@ -69,20 +70,85 @@ def check_models(verifier_infos: dict, drafter_infos: dict, gateway_vocab: str) 
                 f"{first.vocab_size}: draft and target must share a vocabulary")
     if gateway_vocab and vocab and gateway_vocab != vocab:
         raise StartupError("the gateway's tokenizer (--model) differs from the verifiers' target")
+    caps = [i.max_draft_tokens for i in [*verifier_infos.values(), *drafter_infos.values()]
+            if i.max_draft_tokens > 0]
     return TargetLimits(vocab_size=first.vocab_size, max_context=first.max_context,
                         eos_token_ids=frozenset(first.eos_token_ids),
-                        fingerprint=first.fingerprint)
+                        fingerprint=first.fingerprint, max_draft_tokens=min(caps, default=64))
+
+
+class _Follower:
+    """Applies a discovery backend's address changes to a pool, on the event loop, and
+    admits a new replica once its model checks out."""
+
+    def __init__(self, pool: ReplicaPool, loop: asyncio.AbstractEventLoop) -> None:
+        self.pool = pool
+        self.loop = loop
+        self.limits: TargetLimits | None = None
+        self.vocab = ""
+
+    def on_change(self, addresses: frozenset[str]) -> None:  # called from discovery's thread
+        self.loop.call_soon_threadsafe(self._apply, addresses)
+
+    def _apply(self, addresses: frozenset[str]) -> None:
+        added = self.pool.update(addresses)
+        log.info("%s replicas now: %s", self.pool.kind, ", ".join(sorted(addresses)) or "none")
+        if added and self.limits is not None:
+            self.loop.create_task(self._admit(added))
+
+    async def _admit(self, replicas) -> None:
+        for address, info in (await _infos(self.pool, 30.0, replicas)).items():
+            compatible = (info.vocab_hash == self.vocab if self.pool.kind == "drafter"
+                          else info.fingerprint == self.limits.fingerprint)
+            if not compatible:
+                log.error("%s %s serves %s, which does not match this mesh's target; it is "
+                          "not used", self.pool.kind, address, info.model)
+                self.pool.replicas[address].down_until = float("inf")
+
+
+def _start_discovery(config: GatewayConfig, followers: dict[str, _Follower]) -> list:
+    from kubernetes import client, config as kube_config
+
+    from gateway.discovery import KubernetesDiscovery
+
+    try:
+        kube_config.load_incluster_config()
+    except kube_config.ConfigException:
+        kube_config.load_kube_config()  # outside a cluster: KUBECONFIG or ~/.kube/config
+    api = client.ApiClient()
+    watchers = []
+    for kind, service, port in (("verifier", config.verifier_service, config.verifier_port),
+                                ("drafter", config.drafter_service, config.drafter_port)):
+        if service:
+            watcher = KubernetesDiscovery(api, config.namespace, service, port,
+                                          followers[kind].on_change)
+            watcher.start()
+            watchers.append(watcher)
+    return watchers
+
+
+async def _wait_for_replicas(pool: ReplicaPool, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while not pool.replicas and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
 
 
 async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> None:
     options = config.server.grpc_options
     interceptors = telemetry.client_interceptors()
-    verifiers = ReplicaPool("verifier", config.verifiers, config.replica_retry_s, options,
-                            interceptors)
-    drafters = ReplicaPool("drafter", config.drafters, config.replica_retry_s, options,
-                           interceptors)
+    static = config.discovery == "static"
+    verifiers = ReplicaPool("verifier", config.verifiers if static else (),
+                            config.replica_retry_s, options, interceptors)
+    drafters = ReplicaPool("drafter", config.drafters if static else (),
+                           config.replica_retry_s, options, interceptors)
+    loop = asyncio.get_running_loop()
+    followers = {"verifier": _Follower(verifiers, loop), "drafter": _Follower(drafters, loop)}
+    watchers = [] if static else _start_discovery(config, followers)
     store = SessionStore.from_url(config.redis_url, config.session_ttl_s, config.lease_s)
     await store.ping()
+    if not static:
+        await _wait_for_replicas(verifiers, wait_s)
+        await _wait_for_replicas(drafters, min(wait_s, 10.0))
     verifier_infos = await _infos(verifiers, wait_s)
     drafter_infos = await _infos(drafters, wait_s)
     model = config.model or (next(iter(verifier_infos.values())).model if verifier_infos else "")
@@ -91,6 +157,8 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
         raise StartupError(f"no tokenizer found for the target {model!r}: pass --model")
     limits = check_models(verifier_infos, drafter_infos, vocab_hash(tokenizer))
     limits = dataclasses.replace(limits, model=model)
+    for follower in followers.values():
+        follower.limits, follower.vocab = limits, vocab_hash(tokenizer)
     engine = GenerationEngine(config, tokenizer, limits, drafters, verifiers, store)
     engine.tracer = telemetry.tracer
     engine.metrics = GatewayMetrics(telemetry.meter, lambda: engine.inflight)
@@ -99,6 +167,8 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(engine, config), server)
 
     async def on_stop() -> None:
+        for watcher in watchers:
+            watcher.stop()
         await drafters.close()
         await verifiers.close()
         await store.close()

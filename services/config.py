@@ -47,7 +47,9 @@ class ServerConfig:
     @property
     def grpc_options(self) -> list[tuple[str, int]]:
         size = self.max_message_mb * 1024 * 1024
-        return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
+        # so_reuseport off: a second server on a taken port must fail, not share its traffic.
+        return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+                ("grpc.so_reuseport", 0)]
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ class GatewayConfig:
     model: str = ""  # tokenizer source; "" = the model the verifiers report
     drafters: tuple[str, ...] = ()
     verifiers: tuple[str, ...] = ()
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 0  # 0 = adaptive, up to max_adaptive_k
+    max_adaptive_k: int = 8
     max_support: int = 32
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 4096
@@ -93,12 +96,25 @@ class GatewayConfig:
     max_inflight: int = 64
     replica_retry_s: float = 2.0
     default_drafter_kind: str = "model"
+    discovery: str = "static"  # or "kubernetes": follow the EndpointSlices of two Services
+    namespace: str = "default"
+    drafter_service: str = ""
+    verifier_service: str = ""
+    drafter_port: int = 50061
+    verifier_port: int = 50071
 
     def __post_init__(self) -> None:
         _require(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                  f"redis URL must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        _require(len(self.verifiers) >= 1, "at least one verifier address is required")
+        _require(self.discovery in ("static", "kubernetes"),
+                 f"discovery must be static or kubernetes, got {self.discovery!r}")
+        if self.discovery == "static":
+            _require(len(self.verifiers) >= 1, "at least one verifier address is required "
+                                               "(--verifiers HOST:PORT,...)")
+        else:
+            _require(bool(self.verifier_service), "kubernetes discovery needs --verifier-service")
         _require(0 <= self.num_draft_tokens <= 64, "num draft tokens must be in 0..64")
+        _require(1 <= self.max_adaptive_k <= 64, "max adaptive k must be in 1..64")
         _require(1 <= self.max_support <= 256, "max support must be in 1..256")
         _require(1 <= self.default_max_new_tokens <= self.max_new_tokens_cap,
                  "default max new tokens must be in 1..max_new_tokens_cap")

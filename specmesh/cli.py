@@ -105,7 +105,8 @@ def gateway(
     redis: Annotated[str, typer.Option("--redis", envvar="SPECMESH_REDIS_URL",
                                        help="Redis URL (redis://, rediss://, unix://).")],
     verifiers: Annotated[str, typer.Option("--verifiers", envvar="SPECMESH_VERIFIERS",
-                                           help="Verifier addresses, HOST:PORT,...")],
+                                           help="Verifier addresses, HOST:PORT,... (static "
+                                                "discovery).")] = "",
     drafters: Annotated[str, typer.Option("--drafters", envvar="SPECMESH_DRAFTERS",
                                           help="Drafter addresses, HOST:PORT,...")] = "",
     model: Annotated[str, typer.Option("--model", envvar="SPECMESH_MODEL",
@@ -113,8 +114,25 @@ def gateway(
                                             "model the verifiers report).")] = "",
     port: Port = 50051,
     host: Host = "0.0.0.0",
-    num_draft_tokens: Annotated[int, typer.Option(envvar="SPECMESH_NUM_DRAFT_TOKENS",
-                                                  help="Default draft tokens per round.")] = 4,
+    discovery: Annotated[str, typer.Option(
+        envvar="SPECMESH_DISCOVERY",
+        help="static (--drafters/--verifiers) or kubernetes (the ready endpoints of "
+             "--drafter-service and --verifier-service, followed live).")] = "static",
+    namespace: Annotated[str, typer.Option(envvar="SPECMESH_NAMESPACE",
+                                           help="Namespace of those Services.")] = "default",
+    drafter_service: Annotated[str, typer.Option(envvar="SPECMESH_DRAFTER_SERVICE",
+                                                 help="Drafters' headless Service.")] = "",
+    verifier_service: Annotated[str, typer.Option(envvar="SPECMESH_VERIFIER_SERVICE",
+                                                  help="Verifiers' headless Service.")] = "",
+    drafter_port: Annotated[int, typer.Option(envvar="SPECMESH_DRAFTER_PORT",
+                                              help="Drafters' gRPC port.")] = 50061,
+    verifier_port: Annotated[int, typer.Option(envvar="SPECMESH_VERIFIER_PORT",
+                                               help="Verifiers' gRPC port.")] = 50071,
+    num_draft_tokens: Annotated[int, typer.Option(
+        envvar="SPECMESH_NUM_DRAFT_TOKENS",
+        help="Draft tokens per round for requests that set none; 0 = adaptive.")] = 0,
+    max_adaptive_k: Annotated[int, typer.Option(
+        envvar="SPECMESH_MAX_ADAPTIVE_K", help="Largest k the adaptive choice may pick.")] = 8,
     default_drafter_kind: Annotated[str, typer.Option(
         envvar="SPECMESH_DEFAULT_DRAFTER_KIND",
         help="Drafter kind for requests that name none: model or ngram.")] = "model",
@@ -141,8 +159,12 @@ def gateway(
         config = GatewayConfig(
             server=ServerConfig(port=port, host=host), model=model, redis_url=redis,
             drafters=parse_addresses(drafters), verifiers=parse_addresses(verifiers),
-            num_draft_tokens=num_draft_tokens, max_support=max_support,
-            default_drafter_kind=default_drafter_kind,
+            num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
+            max_support=max_support,
+            default_drafter_kind=default_drafter_kind, discovery=discovery,
+            namespace=namespace, drafter_service=drafter_service,
+            verifier_service=verifier_service, drafter_port=drafter_port,
+            verifier_port=verifier_port,
             default_max_new_tokens=default_max_new_tokens,
             max_new_tokens_cap=max_new_tokens_cap, session_ttl_s=session_ttl_s,
             max_inflight=max_inflight, rpc_timeout_s=rpc_timeout_s)

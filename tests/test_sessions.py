@@ -118,10 +118,11 @@ def test_restarted_replica_is_resynced_and_output_is_unchanged(own_mesh, target_
     model, tokenizer = target_model
     prompt, follow = "def parse(text):\n", "    return"
     with GatewayClient(own_mesh.gateway_address) as client:
-        turn1 = client.generate(build_request(prompt, max_new_tokens=20, keep_session=True))
+        turn1 = client.generate(build_request(prompt, max_new_tokens=20, keep_session=True,
+                                              num_draft_tokens=3))
         own_mesh.restart(victim)  # SIGKILL, then the same command on the same port: cache gone
         turn2 = client.generate(build_request(follow, session_id=turn1.session_id,
-                                              max_new_tokens=20))
+                                              max_new_tokens=20, num_draft_tokens=3))
         client.close_session(turn1.session_id)
     history = (tokenizer(prompt)["input_ids"] + list(turn1.token_ids)
                + tokenizer(follow, add_special_tokens=False)["input_ids"])

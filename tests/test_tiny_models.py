@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 
 from services.tiny_models import MARKER_NAME, build_tiny_pair, build_tokenizer, load_corpus
 
-transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 

@@ -106,6 +106,10 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $v.service.port | quote }}
 - name: SPECMESH_LOG_LEVEL
   value: {{ $c.logLevel | quote }}
+- name: SPECMESH_LOG_FORMAT
+  value: "json"
+- name: SPECMESH_METRICS_PORT
+  value: {{ $root.Values.serviceMonitor.port | quote }}
 {{- if eq .tier "gateway" }}
 {{- $secret := include "specmesh.redis.secretName" $root }}
 {{- if $secret }}
@@ -274,13 +278,16 @@ spec:
         - name: {{ $tier }}
           image: {{ include "specmesh.image" (dict "root" $root "image" $v.image "tier" $tier) }}
           imagePullPolicy: {{ $v.image.pullPolicy }}
-          args: [{{ $tier | quote }}]
+          command: ["specmesh", {{ $tier | quote }}]
           ports:
             - name: grpc
               containerPort: {{ $v.service.port }}
               protocol: TCP
+            - name: metrics
+              containerPort: {{ $root.Values.serviceMonitor.port }}
+              protocol: TCP
           env:
-            {{- include "specmesh.env" (dict "root" $root "tier" $tier) | nindent 12 }}
+            {{- include "specmesh.env" (dict "root" $root "tier" $tier) | trim | nindent 12 }}
           {{- if $v.probes.startup.enabled }}
           startupProbe:
             grpc:
@@ -439,9 +446,6 @@ spec:
 {{- $v := index $root.Values $tier }}
 {{- $ctx := dict "root" $root "component" $tier }}
 {{- if $v.pdb.enabled }}
-{{- if and (ne (toString $v.pdb.minAvailable) "") (ne (toString $v.pdb.maxUnavailable) "") }}
-{{- fail (printf "%s.pdb: set minAvailable or maxUnavailable, not both" $tier) }}
-{{- end }}
 apiVersion: policy/v1
 kind: PodDisruptionBudget
 metadata:
