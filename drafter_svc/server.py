@@ -46,4 +46,4 @@ def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
     name = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
     run_service(config, telemetry, engine,
                 lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),
-                name)
+                name, "drafter")

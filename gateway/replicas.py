@@ -31,6 +31,7 @@ class Replica:
     inflight: int = 0
     down_until: float = 0.0
     failures: int = field(default=0)
+    load: dict = field(default_factory=dict)  # last load the replica reported (redis registry)
 
     @property
     def up(self) -> bool:
@@ -81,7 +82,8 @@ class ReplicaPool:
         candidates = [r for r in allowed if r.up] or allowed
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (r.inflight, r.failures))
+        return min(candidates, key=lambda r: (r.inflight + r.load.get("queue_depth", 0),
+                                              r.load.get("sessions", 0), r.failures))
 
     def mark_down(self, replica: Replica) -> None:
         replica.failures += 1

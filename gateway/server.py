@@ -91,6 +91,8 @@ class _Follower:
         self.loop.call_soon_threadsafe(self._apply, addresses)
 
     def _apply(self, addresses: frozenset[str]) -> None:
+        if addresses == frozenset(self.pool.replicas):
+            return
         added = self.pool.update(addresses)
         log.info("%s replicas now: %s", self.pool.kind, ", ".join(sorted(addresses)) or "none")
         if added and self.limits is not None:
@@ -127,6 +129,26 @@ def _start_discovery(config: GatewayConfig, followers: dict[str, _Follower]) -> 
     return watchers
 
 
+async def _poll_registry(client, followers: dict[str, _Follower], period_s: float = 1.0) -> None:
+    """--discovery redis: applies the registry's live replicas (and their load) every period."""
+    from redis.exceptions import RedisError
+
+    from services.registry import list_replicas
+
+    while True:
+        for kind, follower in followers.items():
+            try:
+                live = await list_replicas(client, kind)
+            except RedisError as exc:
+                log.warning("replica registry unreachable: %s", exc)
+                continue
+            follower._apply(frozenset(live))
+            for address, load in live.items():
+                if address in follower.pool.replicas:
+                    follower.pool.replicas[address].load = load
+        await asyncio.sleep(period_s)
+
+
 async def _wait_for_replicas(pool: ReplicaPool, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     while not pool.replicas and time.monotonic() < deadline:
@@ -143,9 +165,11 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
                            config.replica_retry_s, options, interceptors)
     loop = asyncio.get_running_loop()
     followers = {"verifier": _Follower(verifiers, loop), "drafter": _Follower(drafters, loop)}
-    watchers = [] if static else _start_discovery(config, followers)
+    watchers = _start_discovery(config, followers) if config.discovery == "kubernetes" else []
     store = SessionStore.from_url(config.redis_url, config.session_ttl_s, config.lease_s)
     await store.ping()
+    poller = (loop.create_task(_poll_registry(store.client, followers))
+              if config.discovery == "redis" else None)
     if not static:
         await _wait_for_replicas(verifiers, wait_s)
         await _wait_for_replicas(drafters, min(wait_s, 10.0))
@@ -169,6 +193,8 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
     async def on_stop() -> None:
         for watcher in watchers:
             watcher.stop()
+        if poller is not None:
+            poller.cancel()
         await drafters.close()
         await verifiers.close()
         await store.close()

@@ -65,6 +65,8 @@ class ModelServiceConfig:
     threads: int = 0
     max_queue: int = 64
     kind: str = "model"  # drafters: "model" or "ngram" (prompt lookup, no weights loaded)
+    redis_url: str = ""  # register in this Redis (gateways with --discovery redis find it)
+    advertise: str = ""  # address gateways should dial; "" = host:port (hostname for 0.0.0.0)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
@@ -106,12 +108,12 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         _require(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                  f"redis URL must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        _require(self.discovery in ("static", "kubernetes"),
-                 f"discovery must be static or kubernetes, got {self.discovery!r}")
+        _require(self.discovery in ("static", "kubernetes", "redis"),
+                 f"discovery must be static, kubernetes or redis, got {self.discovery!r}")
         if self.discovery == "static":
             _require(len(self.verifiers) >= 1, "at least one verifier address is required "
                                                "(--verifiers HOST:PORT,...)")
-        else:
+        elif self.discovery == "kubernetes":
             _require(bool(self.verifier_service), "kubernetes discovery needs --verifier-service")
         _require(0 <= self.num_draft_tokens <= 64, "num draft tokens must be in 0..64")
         _require(1 <= self.max_adaptive_k <= 64, "max adaptive k must be in 1..64")

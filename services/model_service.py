@@ -4,8 +4,10 @@ Release / GetModelInfo / GetStats RPCs, telemetry of each call, and running the 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 
+import redis.asyncio as aioredis
 from opentelemetry import trace
 
 from services.config import ModelServiceConfig
@@ -16,6 +18,7 @@ from services.messages import CacheDelta
 from services.metrics import ModelServiceMetrics
 from services.model_runner import ModelRunner
 from services.models import kv_bytes_per_token, load_for_serving
+from services.registry import Registration
 from services.server import serve
 from services.telemetry import Telemetry
 from specmesh.v1 import common_pb2
@@ -90,12 +93,37 @@ class ModelServiceRpcs:
         return stats_to_pb(e.stats, e.caches, queue_depth=e.queue_depth)
 
 
+def replica_load(engine, config: ModelServiceConfig) -> dict:
+    """What a replica reports to the registry: the gateway routes new sessions by it."""
+    runner = getattr(engine, "runner", None)
+    per_token = kv_bytes_per_token(runner.model) if runner is not None else 0
+    used = per_token * engine.caches.total_tokens()
+    capacity = per_token * engine.meta.max_context * config.max_sessions
+    return {"kind": engine.kind, "sessions": len(engine.caches),
+            "queue_depth": engine.queue_depth, "kv_free_bytes": max(0, capacity - used)}
+
+
 def run_service(config: ModelServiceConfig, telemetry: Telemetry, engine,
-                register: Callable, service_name: str) -> None:
+                register: Callable, service_name: str, role: str) -> None:
+    registration = None
+
+    def on_started(port: int) -> None:
+        nonlocal registration
+        if config.redis_url:
+            host = config.server.host
+            address = config.advertise or (
+                f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}")
+            client = aioredis.Redis.from_url(config.redis_url, socket_timeout=5)
+            registration = Registration(client, role, address,
+                                        lambda: replica_load(engine, config))
+            registration.start()
+
     async def on_stop() -> None:
+        if registration is not None:
+            await registration.stop()
         engine.close()
         telemetry.shutdown()
 
-    asyncio.run(serve(config.server, register, [service_name], on_stop=on_stop,
-                      interceptors=telemetry.server_interceptors()))
+    asyncio.run(serve(config.server, register, [service_name], on_started=on_started,
+                      on_stop=on_stop, interceptors=telemetry.server_interceptors()))
 

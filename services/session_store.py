@@ -108,6 +108,10 @@ class SessionStore:
         base = self._prefix + session_id
         return base, base + ":tokens", base + ":lease"
 
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._r
+
     async def ping(self) -> None:
         async with _redis_errors():
             await self._r.ping()

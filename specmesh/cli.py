@@ -52,15 +52,25 @@ def _telemetry(service: str, metrics_port: int, log_format: str, log_level: str)
         raise typer.BadParameter(str(exc)) from exc
 
 
+Redis = Annotated[str, typer.Option("--redis", envvar="SPECMESH_REDIS_URL",
+                                    help="Register in this Redis with a heartbeat and the load, "
+                                         "for gateways with --discovery redis.")]
+Advertise = Annotated[str, typer.Option("--advertise", envvar="SPECMESH_ADVERTISE",
+                                        help="HOST:PORT gateways should dial (default: the "
+                                             "bind address, or the hostname for 0.0.0.0).")]
+
+
 def _model_service(kind: str, host, port, model, device, dtype, max_sessions, max_draft, threads,
-                   max_queue, telemetry, drafter_kind: str = "model") -> None:
+                   max_queue, telemetry, drafter_kind: str = "model", redis: str = "",
+                   advertise: str = "") -> None:
     from services.config import ModelServiceConfig, ServerConfig
 
     try:
         config = ModelServiceConfig(server=ServerConfig(port=port, host=host), model=model,
                                     device=device, dtype=dtype, max_sessions=max_sessions,
                                     max_draft_tokens=max_draft, threads=threads,
-                                    max_queue=max_queue, kind=drafter_kind)
+                                    max_queue=max_queue, kind=drafter_kind, redis_url=redis,
+                                    advertise=advertise)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if kind == "drafter":
@@ -80,12 +90,13 @@ def drafter(model: Model,
             dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
             max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
             metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
-            log_level: LogLevel = "info") -> None:
+            log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "") -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
     _model_service("drafter", host, port, model, device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
-                   _telemetry("drafter", metrics_port, log_format, log_level), kind)
+                   _telemetry("drafter", metrics_port, log_format, log_level), kind, redis,
+                   advertise)
 
 
 @app.command()
@@ -93,11 +104,13 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
              max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
              metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
-             log_level: LogLevel = "info") -> None:
+             log_level: LogLevel = "info", redis: Redis = "",
+             advertise: Advertise = "") -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", host, port, model, device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
-                   _telemetry("verifier", metrics_port, log_format, log_level))
+                   _telemetry("verifier", metrics_port, log_format, log_level), "model", redis,
+                   advertise)
 
 
 @app.command()
@@ -116,8 +129,9 @@ def gateway(
     host: Host = "0.0.0.0",
     discovery: Annotated[str, typer.Option(
         envvar="SPECMESH_DISCOVERY",
-        help="static (--drafters/--verifiers) or kubernetes (the ready endpoints of "
-             "--drafter-service and --verifier-service, followed live).")] = "static",
+        help="static (--drafters/--verifiers), kubernetes (the ready endpoints of "
+             "--drafter-service and --verifier-service, followed live) or redis (replicas "
+             "started with --redis register themselves).")] = "static",
     namespace: Annotated[str, typer.Option(envvar="SPECMESH_NAMESPACE",
                                            help="Namespace of those Services.")] = "default",
     drafter_service: Annotated[str, typer.Option(envvar="SPECMESH_DRAFTER_SERVICE",

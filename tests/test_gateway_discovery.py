@@ -119,3 +119,58 @@ def test_gateway_follows_scale_up_readiness_and_scale_down(k8s_mesh, target_mode
     for p in prompts[3:]:
         assert _generate(gateway, p) == expected(p)
     assert _calls(a) == a_before
+
+
+def test_gateway_follows_the_redis_registry(tiny_pair, redis_url, tmp_path, target_model):
+    """Replicas started with --redis register with a heartbeat; a gateway with --discovery
+    redis finds them, drops one that died (its key expires) and picks up a new one."""
+    target, draft = tiny_pair
+    model, tokenizer = target_model
+    procs: dict[str, Proc] = {}
+
+    def start(name, *argv, env=None):
+        port = free_port()
+        proc = _spawn(name, _cli(*argv, "--host", "127.0.0.1", "--port", str(port)), tmp_path,
+                      env)
+        proc.address = f"127.0.0.1:{port}"
+        procs[name] = proc
+        return proc
+
+    def model_service(name, kind, model_path):
+        port = free_port()
+        proc = _spawn(name, _cli(kind, "--host", "127.0.0.1", "--port", str(port), "--model",
+                                 model_path, "--redis", redis_url), tmp_path)
+        proc.address = f"127.0.0.1:{port}"
+        procs[name] = proc
+        return proc
+
+    try:
+        for proc in (model_service("verifier-a", "verifier", target),
+                     model_service("drafter", "drafter", draft)):
+            _wait(proc, 120)
+        gateway = start("gateway", "gateway", "--redis", redis_url, "--model", target,
+                        "--discovery", "redis")
+        _wait(gateway, 120)
+
+        def expected(p):
+            return hf_greedy(model, tokenizer(p)["input_ids"], 12)
+
+        assert _generate(gateway.address, "import os") == expected("import os")
+        assert _calls(procs["verifier-a"].address) > 0
+
+        procs["verifier-a"].popen.kill()  # no goodbye: its registry key must expire
+        b = model_service("verifier-b", "verifier", target)
+        _wait(b, 120)
+
+        def served_by_b() -> bool:
+            try:
+                return _generate(gateway.address, "def f(x):") == expected("def f(x):") and (
+                    _calls(b.address) > 0)
+            except grpc.RpcError:
+                return False
+
+        _eventually(served_by_b, timeout=20)
+    finally:
+        for proc in procs.values():
+            proc.popen.kill()
+            proc.popen.wait()

@@ -55,7 +55,8 @@ class VerifierEngine:
             for i, (ids, probs) in enumerate(zip(call.q_ids, call.q_probs, strict=True)):
                 if len(ids) != len(probs) or not ids:
                     raise InvalidArgument(
-                        f"draft distribution {i} needs as many probs as token ids (and at least one)")
+                        f"draft distribution {i} needs as many probs as token ids (and at least "
+                        "one)")
                 q_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
                 q_probs[i, : len(probs)] = torch.tensor(probs, dtype=torch.float32)
         draft = SparseDraft(token_ids=torch.tensor(call.draft_ids, dtype=torch.long),

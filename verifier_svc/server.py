@@ -38,4 +38,4 @@ def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
     name = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
     run_service(config, telemetry, engine,
                 lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
-                name)
+                name, "verifier")

@@ -1,0 +1,77 @@
+"""Replica registry in Redis, for clusters without Kubernetes API access.
+
+Each drafter and verifier started with ``--redis`` keeps a key
+``specmesh:replica:{kind}:{address}`` alive with a TTL, holding its load as JSON
+(sessions held, queue depth, free KV bytes); a replica that dies simply expires.
+Gateways with ``--discovery redis`` list the keys every second and route by the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "specmesh:replica:"
+
+
+def replica_key(kind: str, address: str) -> str:
+    return f"{PREFIX}{kind}:{address}"
+
+
+class Registration:
+    """Keeps one replica's key alive until ``stop()`` (which deletes it)."""
+
+    def __init__(self, client: aioredis.Redis, kind: str, address: str,
+                 load: Callable[[], dict], ttl_s: float = 6.0) -> None:
+        self._r = client
+        self.key = replica_key(kind, address)
+        self._load = load
+        self._ttl_ms = int(ttl_s * 1000)
+        self._task: asyncio.Task | None = None
+
+    async def beat(self) -> None:
+        await self._r.set(self.key, json.dumps(self._load()), px=self._ttl_ms)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except RedisError as exc:  # keep serving; retry at the next beat
+                log.warning("registry heartbeat failed: %s", exc)
+            await asyncio.sleep(self._ttl_ms / 3000)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        try:
+            await self._r.delete(self.key)
+        except RedisError:
+            pass
+
+
+async def list_replicas(client: aioredis.Redis, kind: str) -> dict[str, dict]:
+    """address -> load of every live replica of ``kind``."""
+    keys = [k async for k in client.scan_iter(match=f"{PREFIX}{kind}:*", count=500)]
+    if not keys:
+        return {}
+    values = await client.mget(keys)
+    prefix = len(f"{PREFIX}{kind}:")
+    out = {}
+    for key, value in zip(keys, values, strict=True):
+        if value is None:  # expired between SCAN and MGET
+            continue
+        try:
+            out[key.decode()[prefix:]] = json.loads(value)
+        except ValueError:
+            log.warning("ignoring malformed registry entry %s", key)
+    return out
