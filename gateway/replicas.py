@@ -32,6 +32,7 @@ class Replica:
     down_until: float = 0.0
     failures: int = field(default=0)
     load: dict = field(default_factory=dict)  # last load the replica reported (redis registry)
+    admitted: bool = True  # False while a discovered replica's model is being checked
 
     @property
     def up(self) -> bool:
@@ -73,7 +74,7 @@ class ReplicaPool:
     def pick(self, prefer: str = "", exclude: frozenset[str] = frozenset(),
              kind: str = "") -> Replica | None:
         """``kind``: only replicas whose ModelInfo reports that kind ("" = any)."""
-        allowed = [r for r in self.replicas.values() if r.address not in exclude
+        allowed = [r for r in self.replicas.values() if r.address not in exclude and r.admitted
                    and (not kind or (r.info is not None and r.info.kind == kind))]
         preferred = self.replicas.get(prefer)
         if preferred is not None and preferred.up and preferred in allowed:

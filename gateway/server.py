@@ -96,16 +96,22 @@ class _Follower:
         added = self.pool.update(addresses)
         log.info("%s replicas now: %s", self.pool.kind, ", ".join(sorted(addresses)) or "none")
         if added and self.limits is not None:
+            for replica in added:
+                replica.admitted = False  # no traffic until its model checks out
             self.loop.create_task(self._admit(added))
 
     async def _admit(self, replicas) -> None:
         for address, info in (await _infos(self.pool, 30.0, replicas)).items():
             compatible = (info.vocab_hash == self.vocab if self.pool.kind == "drafter"
                           else info.fingerprint == self.limits.fingerprint)
-            if not compatible:
+            replica = self.pool.replicas.get(address)
+            if replica is None:
+                continue
+            if compatible:
+                replica.admitted = True
+            else:
                 log.error("%s %s serves %s, which does not match this mesh's target; it is "
                           "not used", self.pool.kind, address, info.model)
-                self.pool.replicas[address].down_until = float("inf")
 
 
 def _start_discovery(config: GatewayConfig, followers: dict[str, _Follower]) -> list:
