@@ -70,7 +70,8 @@ def test_stream_chunks_add_up_to_the_whole_response(client, target_model):
     request = build_request("print('héllo wörld 中文 🙂')", max_new_tokens=48)
     whole = client.generate(request)
     chunks = list(client.stream(request))
-    assert len(chunks) == whole.usage.rounds
+    # One chunk per round (k may differ between the two runs: it adapts; tokens may not).
+    assert len(chunks) == chunks[-1].usage.rounds
     assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
     assert "".join(c.text for c in chunks) == whole.text
     assert all("\ufffd" not in c.text for c in chunks) or "\ufffd" in whole.text
