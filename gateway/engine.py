@@ -296,6 +296,10 @@ class GenerationEngine:
         if not spec.speculate or len(self.drafters) == 0:
             return 0
         k = spec.num_draft_tokens or self.config.num_draft_tokens
+        if not k and spec.seed is not None and not spec.params.greedy:
+            # A seeded sample is reproducible only with the same k in every run: adaptive k
+            # depends on timings, so seeded sampling uses a fixed k.
+            k = min(4, self.config.max_adaptive_k)
         if not k:
             if req.adaptive is None:
                 req.adaptive = AdaptiveK(self.costs.setdefault(kind, CostModel()),

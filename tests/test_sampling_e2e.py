@@ -67,3 +67,15 @@ def test_first_token_follows_the_target_distribution_through_the_mesh(
 
     # Seeded requests are reproducible through the services.
     assert [one(s) for s in range(5)] == results[:5]
+
+
+def test_seeded_sampling_is_reproducible_without_a_fixed_k(mesh):
+    """With the draft length left to the gateway (adaptive), a seed still reproduces."""
+    with GatewayClient(mesh.gateway_address) as client:
+        runs = [list(client.generate(build_request("class A:", max_new_tokens=24,
+                                                   temperature=0.9, seed=11)).token_ids)
+                for _ in range(3)]
+        other = list(client.generate(build_request("class A:", max_new_tokens=24,
+                                                   temperature=0.9, seed=12)).token_ids)
+    assert runs[0] == runs[1] == runs[2]
+    assert other != runs[0]
