@@ -65,6 +65,7 @@ class ModelServiceConfig:
     threads: int = 0
     max_queue: int = 64
     kind: str = "model"  # drafters: "model" or "ngram" (prompt lookup, no weights loaded)
+    kv_budget_mb: int = 0  # KV cache memory budget; 0 = bounded by max_sessions only
     redis_url: str = ""  # register in this Redis (gateways with --discovery redis find it)
     advertise: str = ""  # address gateways should dial; "" = host:port (hostname for 0.0.0.0)
 

@@ -104,4 +104,5 @@ def stats_to_pb(s: ReplicaStats, caches, queue_depth: int) -> common_pb2.Replica
         sessions=len(caches), calls=s.calls, fresh_prefills=caches.fresh_prefills,
         resyncs_requested=caches.resyncs_requested, fed_tokens=s.fed_tokens,
         draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
-        evictions=caches.evictions, queue_depth=queue_depth)
+        evictions=caches.evictions, queue_depth=queue_depth, kv_tokens=caches.total_tokens(),
+        kv_token_budget=caches.max_tokens or 0)

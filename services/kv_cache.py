@@ -36,10 +36,16 @@ class SessionCache:
 
 
 class SessionCaches:
-    """Session id -> SessionCache, at most ``max_sessions``, least recently used out first."""
+    """Session id -> SessionCache, least recently used out first when more than
+    ``max_sessions`` are held or their tokens exceed ``max_tokens`` (the KV memory budget
+    divided by the bytes one token takes; None = no budget). Caches in use are not counted
+    and never evicted."""
 
-    def __init__(self, max_sessions: int, new_kv: Callable[[], Any]) -> None:
+    def __init__(self, max_sessions: int, new_kv: Callable[[], Any],
+                 max_tokens: int | None = None) -> None:
         self._max = max_sessions
+        self._max_tokens = max_tokens
+        self._tokens = 0  # tokens held by the entries at rest
         self._new_kv = new_kv
         self._entries: OrderedDict[str, SessionCache] = OrderedDict()
         self._busy: set[str] = set()
@@ -80,7 +86,7 @@ class SessionCaches:
                 f"start with the assumed {base_len}-token prefix: resend with base_len=0")
         else:
             entry.crop(base_len)
-        self._entries.pop(session_id, None)
+        self._remove(session_id)
         self._busy.add(session_id)
         try:
             yield entry
@@ -90,15 +96,30 @@ class SessionCaches:
         self._busy.discard(session_id)
         entry.last_used = time.monotonic()
         self._entries[session_id] = entry
+        self._tokens += len(entry.tokens)
         self._evict()
 
     def total_tokens(self) -> int:
-        return sum(len(e.tokens) for e in self._entries.values())
+        return self._tokens
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self._max_tokens
+
+    def _remove(self, session_id: str) -> SessionCache | None:
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self._tokens -= len(entry.tokens)
+        return entry
 
     def release(self, session_id: str) -> bool:
-        return self._entries.pop(session_id, None) is not None
+        return self._remove(session_id) is not None
+
+    def _over(self) -> bool:
+        return len(self._entries) > self._max or (
+            self._max_tokens is not None and self._tokens > self._max_tokens)
 
     def _evict(self) -> None:
-        while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
+        while self._entries and self._over():
+            self._remove(next(iter(self._entries)))
             self.evictions += 1

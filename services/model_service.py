@@ -28,7 +28,15 @@ def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]
     model, meta, device = load_for_serving(config.model, config.device, config.dtype,
                                            config.threads)
     runner = ModelRunner(model, meta, device, config.max_queue)
-    return runner, SessionCaches(config.max_sessions, runner.new_kv)
+    max_tokens = None
+    if config.kv_budget_mb:
+        per_token = kv_bytes_per_token(model)
+        max_tokens = config.kv_budget_mb * 1024 * 1024 // per_token
+        if max_tokens < meta.max_context:
+            raise ValueError(
+                f"--kv-budget-mb {config.kv_budget_mb} holds {max_tokens} tokens, less than one "
+                f"full-context session ({meta.max_context} tokens of {per_token} bytes): raise it")
+    return runner, SessionCaches(config.max_sessions, runner.new_kv, max_tokens)
 
 
 def build_metrics(telemetry: Telemetry, kind: str, engine,

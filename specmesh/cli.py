@@ -60,9 +60,14 @@ Advertise = Annotated[str, typer.Option("--advertise", envvar="SPECMESH_ADVERTIS
                                              "bind address, or the hostname for 0.0.0.0).")]
 
 
+KvBudget = Annotated[int, typer.Option("--kv-budget-mb", envvar="SPECMESH_KV_BUDGET_MB",
+                                       help="KV cache memory budget; idle sessions are "
+                                            "evicted least recently used first (0 = none).")]
+
+
 def _model_service(kind: str, host, port, model, device, dtype, max_sessions, max_draft, threads,
                    max_queue, telemetry, drafter_kind: str = "model", redis: str = "",
-                   advertise: str = "") -> None:
+                   advertise: str = "", kv_budget_mb: int = 0) -> None:
     from services.config import ModelServiceConfig, ServerConfig
 
     try:
@@ -70,7 +75,7 @@ def _model_service(kind: str, host, port, model, device, dtype, max_sessions, ma
                                     device=device, dtype=dtype, max_sessions=max_sessions,
                                     max_draft_tokens=max_draft, threads=threads,
                                     max_queue=max_queue, kind=drafter_kind, redis_url=redis,
-                                    advertise=advertise)
+                                    advertise=advertise, kv_budget_mb=kv_budget_mb)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if kind == "drafter":
@@ -90,13 +95,14 @@ def drafter(model: Model,
             dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
             max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
             metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
-            log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "") -> None:
+            log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "",
+            kv_budget_mb: KvBudget = 0) -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
     _model_service("drafter", host, port, model, device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("drafter", metrics_port, log_format, log_level), kind, redis,
-                   advertise)
+                   advertise, kv_budget_mb)
 
 
 @app.command()
@@ -105,12 +111,12 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
              metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
              log_level: LogLevel = "info", redis: Redis = "",
-             advertise: Advertise = "") -> None:
+             advertise: Advertise = "", kv_budget_mb: KvBudget = 0) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", host, port, model, device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("verifier", metrics_port, log_format, log_level), "model", redis,
-                   advertise)
+                   advertise, kv_budget_mb)
 
 
 @app.command()

@@ -79,7 +79,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("sessions", "calls", "fresh_prefills", "resyncs_requested", "fed_tokens", "draft_tokens", "accepted_tokens", "evictions", "queue_depth")
+    __slots__ = ("sessions", "calls", "fresh_prefills", "resyncs_requested", "fed_tokens", "draft_tokens", "accepted_tokens", "evictions", "queue_depth", "kv_tokens", "kv_token_budget")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     FRESH_PREFILLS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class ReplicaStats(_message.Message):
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     calls: int
     fresh_prefills: int
@@ -98,4 +100,6 @@ class ReplicaStats(_message.Message):
     accepted_tokens: int
     evictions: int
     queue_depth: int
-    def __init__(self, sessions: _Optional[int] = ..., calls: _Optional[int] = ..., fresh_prefills: _Optional[int] = ..., resyncs_requested: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    kv_tokens: int
+    kv_token_budget: int
+    def __init__(self, sessions: _Optional[int] = ..., calls: _Optional[int] = ..., fresh_prefills: _Optional[int] = ..., resyncs_requested: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_token_budget: _Optional[int] = ...) -> None: ...
