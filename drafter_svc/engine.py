@@ -11,38 +11,17 @@ from __future__ import annotations
 import torch
 
 from services.errors import InvalidArgument
-from services.kv_cache import SessionCaches
-from services.messages import DraftCall, DraftResult, ReplicaStats
-from services.model_runner import ModelRunner, check_delta
+from services.messages import DraftCall, DraftResult
+from services.model_runner import ModelEngine, check_delta, check_num_tokens
 from services.sampling import sparse_draft_sample, warp_logits
 
 
-class DrafterEngine:
-    def __init__(self, runner: ModelRunner, caches: SessionCaches, max_draft_tokens: int) -> None:
-        self.runner = runner
-        self.caches = caches
-        self.max_draft_tokens = max_draft_tokens
-        self.stats = ReplicaStats()
-
-    kind = "model"
-
-    @property
-    def meta(self):
-        return self.runner.meta
-
-    @property
-    def queue_depth(self) -> int:
-        return self.runner.queue_depth
-
-    def close(self) -> None:
-        self.runner.close()
+class DrafterEngine(ModelEngine):
 
     async def draft(self, call: DraftCall) -> DraftResult:
         self.stats.calls += 1
         delta = call.cache
-        if not 1 <= call.num_tokens <= self.max_draft_tokens:
-            raise InvalidArgument(
-                f"num_tokens must be in 1..{self.max_draft_tokens}, got {call.num_tokens}")
+        check_num_tokens(call.num_tokens, self.max_draft_tokens)
         if not 1 <= call.max_support <= 256:
             raise InvalidArgument(f"max_support must be in 1..256, got {call.max_support}")
         try:

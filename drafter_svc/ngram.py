@@ -12,10 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from services.errors import InvalidArgument
 from services.kv_cache import SessionCaches
 from services.messages import DraftCall, DraftResult, ReplicaStats
-from services.model_runner import check_delta
+from services.model_runner import check_delta, check_num_tokens
 from services.models import ModelMeta
 
 
@@ -51,9 +50,7 @@ class NgramDrafterEngine:
     async def draft(self, call: DraftCall) -> DraftResult:
         self.stats.calls += 1
         delta = call.cache
-        if not 1 <= call.num_tokens <= self.max_draft_tokens:
-            raise InvalidArgument(
-                f"num_tokens must be in 1..{self.max_draft_tokens}, got {call.num_tokens}")
+        check_num_tokens(call.num_tokens, self.max_draft_tokens)
         check_delta(self.meta, delta.session_id, delta.base_len, delta.new_tokens,
                     call.num_tokens - 1)
         start = time.perf_counter()

@@ -19,7 +19,7 @@ suffix that could be the beginning of a stop string.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = ["IncrementalDetokenizer", "StopMatcher"]
 

@@ -187,7 +187,7 @@ class KubernetesDiscovery(_Observable):
                 self.namespace, label_selector=self.label_selector, _preload_content=False,
                 _request_timeout=30)
         except ApiException as exc:
-            raise _Relist() if exc.status == 410 else exc
+            raise (_Relist() if exc.status == 410 else exc) from exc
         import json
 
         body = json.loads(resp.data)

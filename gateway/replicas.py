@@ -16,7 +16,6 @@ import grpc
 
 from specmesh.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
-
 # A restarted replica is found again within ~1 s instead of gRPC's default backoff of up to 2 min.
 _RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
               ("grpc.max_reconnect_backoff_ms", 1000)]

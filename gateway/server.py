@@ -115,7 +115,8 @@ class _Follower:
 
 
 def _start_discovery(config: GatewayConfig, followers: dict[str, _Follower]) -> list:
-    from kubernetes import client, config as kube_config
+    from kubernetes import client
+    from kubernetes import config as kube_config
 
     from gateway.discovery import KubernetesDiscovery
 

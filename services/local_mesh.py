@@ -22,7 +22,6 @@ from pathlib import Path
 
 from services.health import wait_serving
 
-
 _handed_out: set[int] = set()
 
 

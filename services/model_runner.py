@@ -97,3 +97,33 @@ def check_delta(meta: ModelMeta, session_id: str, base_len: int, new_tokens: Seq
         raise InvalidArgument(
             f"sequence of {total} tokens exceeds the model's context of {meta.max_context}: "
             "shorten the prompt or max_new_tokens")
+
+
+class ModelEngine:
+    """What a drafter or verifier engine built on a ModelRunner shares."""
+
+    kind = "model"
+
+    def __init__(self, runner: ModelRunner, caches, max_draft_tokens: int) -> None:
+        from services.messages import ReplicaStats
+
+        self.runner = runner
+        self.caches = caches
+        self.max_draft_tokens = max_draft_tokens
+        self.stats = ReplicaStats()
+
+    @property
+    def meta(self) -> ModelMeta:
+        return self.runner.meta
+
+    @property
+    def queue_depth(self) -> int:
+        return self.runner.queue_depth
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def check_num_tokens(num_tokens: int, limit: int) -> None:
+    if not 1 <= num_tokens <= limit:
+        raise InvalidArgument(f"num_tokens must be in 1..{limit}, got {num_tokens}")

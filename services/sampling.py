@@ -37,7 +37,8 @@ class SamplingParams:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables top-k), got {k!r}")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (math.isfinite(p) and 0.0 < p <= 1.0):
+        if (isinstance(p, bool) or not isinstance(p, (int, float))
+                or not (math.isfinite(p) and 0.0 < p <= 1.0)):
             raise ValueError(f"top_p must be a finite number in (0, 1] (1.0 disables top-p), got {p!r}")
 
 

@@ -39,8 +39,8 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 __all__ = [
     "BOS_TOKEN",

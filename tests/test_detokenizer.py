@@ -5,11 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import transformers  # noqa: F401,E402
 
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from services.tiny_models import build_tokenizer
-
-import transformers  # noqa: F401,E402
 
 CODE = '''def fibonacci(n: int) -> list[int]:
     """Return the first n Fibonacci numbers."""

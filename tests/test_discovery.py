@@ -25,9 +25,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-import pytest
-
 import kubernetes  # noqa: E402
+import pytest
 
 from gateway.discovery import (
     KubernetesDiscovery,

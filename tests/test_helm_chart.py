@@ -13,13 +13,11 @@ import functools
 import json
 from pathlib import Path
 
-import pytest
-import yaml
-
 import helm_python as helm  # noqa: E402
 import kubernetes_validate  # noqa: E402
-
+import pytest
 import typer.main
+import yaml
 
 from specmesh.cli import app
 

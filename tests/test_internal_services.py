@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
+
 import grpc
 import pytest
 import torch
@@ -549,7 +550,7 @@ def test_concurrent_verifies_on_one_session(verifier, target_model):
     model = target_model[0]
     a = _long(400)
     b = [*a[:-1], a[-1] + 1]  # same length, different content
-    for attempt in range(3):
+    for _ in range(3):
         s = sid()
         futures = [verifier.Verify.future(vreq(s, [], seq), timeout=TIMEOUT) for seq in (a, b)]
         for fut in futures:

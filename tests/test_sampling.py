@@ -74,7 +74,7 @@ def make_draft(tokens: list[int], ids: list[torch.Tensor], qs: list[torch.Tensor
         return SparseDraft(torch.tensor(tokens, dtype=torch.int64), torch.stack(ids), torch.stack(qs))
     q_ids = torch.zeros(len(tokens), width, dtype=torch.int64)  # [k, S]
     q_probs = torch.zeros(len(tokens), width, dtype=torch.float32)  # [k, S]
-    for i, (a, b) in enumerate(zip(ids, qs)):
+    for i, (a, b) in enumerate(zip(ids, qs, strict=True)):
         q_ids[i, : a.shape[0]] = a
         q_probs[i, : b.shape[0]] = b
     return SparseDraft(torch.tensor(tokens, dtype=torch.int64), q_ids, q_probs)

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 from services.tiny_models import MARKER_NAME, build_tiny_pair, build_tokenizer, load_corpus
-
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -10,31 +10,12 @@ from __future__ import annotations
 import torch
 
 from services.errors import InvalidArgument
-from services.kv_cache import SessionCaches
-from services.messages import ReplicaStats, VerifyCall, VerifyResult
-from services.model_runner import ModelRunner, check_delta
+from services.messages import VerifyCall, VerifyResult
+from services.model_runner import ModelEngine, check_delta
 from services.sampling import SparseDraft, validate_draft, verify_tokens
 
 
-class VerifierEngine:
-    def __init__(self, runner: ModelRunner, caches: SessionCaches, max_draft_tokens: int) -> None:
-        self.runner = runner
-        self.caches = caches
-        self.max_draft_tokens = max_draft_tokens
-        self.stats = ReplicaStats()
-
-    kind = "model"
-
-    @property
-    def meta(self):
-        return self.runner.meta
-
-    @property
-    def queue_depth(self) -> int:
-        return self.runner.queue_depth
-
-    def close(self) -> None:
-        self.runner.close()
+class VerifierEngine(ModelEngine):
 
     def _sparse_draft(self, call: VerifyCall) -> SparseDraft:
         k = len(call.draft_ids)
