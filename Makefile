@@ -10,7 +10,7 @@ PIP := $(BIN)/python -m pip install --disable-pip-version-check $(FIND_LINKS) -c
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: up test install proto clean-venv
+.PHONY: up test install proto demo-models clean-venv
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ test: install
 # Regenerate the committed gRPC stubs in specmesh/v1 from proto/.
 proto: install
 	$(BIN)/python specmesh/protogen.py
+
+# Train the demo target on the stdlib, distill its drafter, measure the pair (hours on a CPU;
+# see docs/models.md).
+demo-models: install
+	$(BIN)/python -m training.demo --out models/demo-target --save-dtype float16 --resume $(ARGS)
+	$(BIN)/specmesh distill --target models/demo-target --out models/demo-drafter --resume --save-dtype float16
+	$(BIN)/python -m training.evaluate --target models/demo-target --draft models/demo-drafter --threads 2 --json models/demo-eval.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -153,7 +153,7 @@ def token_stream(tokenizer, files: Iterable[Path] | None = None, *,
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     if not texts:
         return np.zeros(0, dtype=np.int32)
-    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    enc = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     parts = []
     for ids in enc:
         head = [bos] if bos is not None else []

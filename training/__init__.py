@@ -1,0 +1,1 @@
+"""Training the demo models and distilling drafters (see docs/models.md)."""
