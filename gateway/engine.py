@@ -58,6 +58,7 @@ class Chunk:
     session_id: str
     finish: Finish | None = None
     usage: Usage | None = None
+    offset: int = 0  # session position of the first token
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class GenerationEngine:
             req = await self._start(spec, deadline)
             span = self._generate_span(req)
             try:
+                if spec.resume_from:
+                    yield self._resume_chunk(req)
                 async for chunk in self._stream(req, span):
                     yield chunk
             except BaseException as exc:
@@ -281,6 +284,17 @@ class GenerationEngine:
 
     # ----- rounds ------------------------------------------------------------------------
 
+    def _resume_chunk(self, req: _Request) -> Chunk:
+        """The tokens a cut stream's client has not received: committed from resume_from on."""
+        h, start = req.handle, req.spec.resume_from
+        if start > len(h.tokens):
+            raise InvalidArgument(f"resume_from {start} is past the session's {len(h.tokens)} "
+                                  "committed tokens")
+        gap = h.tokens[start:]
+        detok = IncrementalDetokenizer(self.tokenizer, h.tokens[:start])
+        return Chunk(text=detok.push(gap) + detok.flush(), token_ids=list(gap),
+                     session_id=h.session_id, offset=start)
+
     def _drafter_kind(self, spec: GenerationSpec) -> str:
         """The request's drafter kind, else the default, else whichever kind there is."""
         kinds = self.drafters.kinds()
@@ -327,7 +341,7 @@ class GenerationEngine:
                 finish = Finish.CONTEXT
                 self._record_finish(span, req, finish)
                 yield Chunk(text=stop.flush(), token_ids=[], session_id=h.session_id,
-                            finish=finish, usage=req.usage)
+                            finish=finish, usage=req.usage, offset=len(h.tokens))
                 break
             kind = self._drafter_kind(spec)
             k = self._choose_k(req, kind)
@@ -344,7 +358,7 @@ class GenerationEngine:
             if finish is not None:
                 self._record_finish(span, req, finish)
             yield Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
-                        usage=req.usage if finish else None)
+                        usage=req.usage if finish else None, offset=len(h.tokens) - len(kept))
 
     def _accept(self, req: _Request, proposed: list[int], detok: IncrementalDetokenizer,
                 stop: StopMatcher) -> tuple[list[int], str, Finish | None]:

@@ -28,11 +28,19 @@ class GenerationSpec:
     drafter_kind: str  # "" = the gateway's default
     session_id: str  # "" = a new session
     keep_session: bool
+    resume_from: int = 0  # re-send the session's tokens from this position first
 
 
 def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -> GenerationSpec:
     if req.prompt and req.prompt_token_ids:
         raise InvalidArgument("set either prompt or prompt_token_ids, not both")
+    if req.resume_from:
+        if not req.session_id:
+            raise InvalidArgument("resume_from needs the session_id of the stream to resume")
+        if req.prompt or req.prompt_token_ids:
+            raise InvalidArgument("resume_from continues a cut stream: leave prompt empty")
+        if req.resume_from < 0:
+            raise InvalidArgument(f"resume_from must be >= 0, got {req.resume_from}")
     if not req.prompt and not req.prompt_token_ids and not req.session_id:
         raise InvalidArgument("prompt is empty: set prompt (text) or prompt_token_ids")
     if len(req.prompt) > MAX_PROMPT_CHARS:
@@ -81,4 +89,5 @@ def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -
         drafter_kind=spec.drafter,
         session_id=req.session_id,
         keep_session=req.keep_session or bool(req.session_id),
+        resume_from=req.resume_from,
     )

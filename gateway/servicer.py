@@ -28,7 +28,7 @@ def _usage(u: Usage | None) -> gateway_pb2.Usage | None:
 def _chunk(c: Chunk) -> gateway_pb2.GenerateChunk:
     return gateway_pb2.GenerateChunk(text=c.text, token_ids=c.token_ids,
                                      finish_reason=_FINISH[c.finish], session_id=c.session_id,
-                                     usage=_usage(c.usage))
+                                     usage=_usage(c.usage), offset=c.offset)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

@@ -94,7 +94,7 @@ class GatewayConfig:
     max_new_tokens_cap: int = 4096
     max_stop_strings: int = 16
     session_ttl_s: int = 3600
-    lease_s: float = 10.0
+    lease_s: float = 5.0
     rpc_timeout_s: float = 30.0
     max_inflight: int = 64
     replica_retry_s: float = 2.0

@@ -39,8 +39,9 @@ _COMMIT = """
 local v = redis.call('HGET', KEYS[1], 'version')
 if not v then return -2 end
 if v ~= ARGV[1] then return -1 end
-if redis.call('GET', KEYS[3]) ~= ARGV[4] then return -3 end
-redis.call('PEXPIRE', KEYS[3], ARGV[5])
+local holder = redis.call('GET', KEYS[3])
+if holder and holder ~= ARGV[4] then return -3 end
+redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
 if string.len(ARGV[3]) > 0 then redis.call('APPEND', KEYS[2], ARGV[3]) end
 local nv = tonumber(v) + 1
 redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 6))
@@ -153,8 +154,9 @@ class SessionStore:
 
     async def commit(self, h: SessionHandle, appended: list[int], owner: str) -> None:
         """Appends ``appended`` to the committed tokens and stores h's fields, if the
-        version is still h.version and ``owner`` still holds the lease (which is
-        renewed); bumps h.version. h.tokens must already include ``appended``."""
+        version is still h.version and no other request holds the lease (``owner``'s lease
+        is renewed, or taken again if it expired meanwhile: the version check still stops
+        a conflicting writer); bumps h.version. h.tokens must already include ``appended``."""
         hkey, tkey, lkey = self._keys(h.session_id)
         async with _redis_errors():
             result = await self._commit(

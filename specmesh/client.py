@@ -36,7 +36,8 @@ def build_request(prompt: str = "", *, prompt_token_ids: list[int] | None = None
                   seed: int | None = None, stop: list[str] | None = None,
                   num_draft_tokens: int = 0, disable_speculation: bool = False,
                   drafter: str = "",
-                  session_id: str = "", keep_session: bool = False) -> gateway_pb2.GenerateRequest:
+                  session_id: str = "", keep_session: bool = False,
+                  resume_from: int = 0) -> gateway_pb2.GenerateRequest:
     sampling = gateway_pb2.SamplingParams(stop=stop or [])
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
                         ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
@@ -46,7 +47,7 @@ def build_request(prompt: str = "", *, prompt_token_ids: list[int] | None = None
         prompt=prompt, prompt_token_ids=prompt_token_ids or [], sampling=sampling,
         speculation=gateway_pb2.SpeculationParams(num_draft_tokens=num_draft_tokens,
                                                   disable=disable_speculation, drafter=drafter),
-        session_id=session_id, keep_session=keep_session)
+        session_id=session_id, keep_session=keep_session, resume_from=resume_from)
 
 
 class GatewayClient:
