@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from gateway import clients
 from gateway.adaptive import AdaptiveK, CostModel
@@ -27,6 +26,7 @@ from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
 from gateway.rounds import RoundResult, RoundRunner
+from gateway.telemetry import RequestTelemetry
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, Unavailable
 from services.metrics import GatewayMetrics
@@ -99,8 +99,9 @@ class GenerationEngine:
         self.verifiers = verifiers
         self.store = store
         self.rounds = RoundRunner(config, drafters, verifiers)
-        self.tracer = tracer or trace.get_tracer("specmesh")
         self.metrics = metrics or GatewayMetrics(_noop_meter(), lambda: 0)
+        self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
+                                          limits.model)
         self.costs: dict[str, CostModel] = {}  # per drafter kind
         self._inflight = 0
 
@@ -119,7 +120,7 @@ class GenerationEngine:
         self.metrics.active.add(1)
         try:
             req = await self._start(spec, deadline)
-            span = self._generate_span(req)
+            span = self.telemetry.generate_span(req)
             try:
                 if spec.resume_from:
                     yield self._resume_chunk(req)
@@ -209,81 +210,6 @@ class GenerationEngine:
 
     # ----- rounds ------------------------------------------------------------------------
 
-
-    # ----- telemetry ---------------------------------------------------------------------
-
-    def _generate_span(self, req: _Request) -> trace.Span:
-        """The request's span; it links to the previous turn of the session, if any."""
-        spec, h = req.spec, req.handle
-        links = []
-        if h.last_trace:
-            trace_id, span_id = (int(x, 16) for x in h.last_trace.split("-"))
-            links.append(Link(SpanContext(trace_id, span_id, is_remote=True,
-                                          trace_flags=TraceFlags(TraceFlags.SAMPLED))))
-        span = self.tracer.start_span("specmesh.generate", links=links, attributes={
-            "gen_ai.operation.name": "text_completion",
-            "gen_ai.request.model": self.limits.model,
-            "gen_ai.request.max_tokens": spec.max_new_tokens,
-            "gen_ai.request.temperature": spec.params.temperature,
-            "gen_ai.request.top_p": spec.params.top_p,
-            "gen_ai.request.top_k": spec.params.top_k,
-            "gen_ai.usage.input_tokens": req.usage.prompt_tokens,
-            "specmesh.session_id": h.session_id,
-            "specmesh.speculate": spec.speculate,
-        })
-        ctx = span.get_span_context()
-        h.last_trace = f"{ctx.trace_id:032x}-{ctx.span_id:016x}"
-        return span
-
-    def _round_span(self, parent: trace.Span, req: _Request, k: int) -> trace.Span:
-        return self.tracer.start_span(
-            "specmesh.round", context=trace.set_span_in_context(parent),
-            attributes={"specmesh.round.index": req.usage.rounds, "specmesh.round.k": k})
-
-    def _record_round(self, span: trace.Span, req: _Request, r: RoundResult, kept: int,
-                      seconds: float) -> None:
-        h = req.handle
-        network = (r.draft_ms - r.draft_compute_ms) + (r.verify_ms - r.verify_compute_ms)
-        span.set_attributes({
-            "specmesh.round.accepted": r.num_accepted,
-            "specmesh.round.first_rejection": (r.num_accepted if r.num_accepted < len(r.drafted)
-                                               else -1),
-            "specmesh.round.tokens": kept,
-            "specmesh.drafter": h.drafter if r.drafted else "",
-            "specmesh.verifier": h.verifier,
-            "specmesh.round.draft_ms": r.draft_ms,
-            "specmesh.round.verify_ms": r.verify_ms,
-            "specmesh.round.network_ms": network,
-        })
-        self.metrics.round(len(r.drafted), r.num_accepted, kept, seconds)
-        now = time.perf_counter()
-        if not req.first_token_at:
-            req.first_token_at = now
-            self.metrics.ttft.record(now - req.started)
-
-    def _record_finish(self, span: trace.Span, req: _Request, finish: Finish) -> None:
-        u = req.usage
-        span.set_attributes({
-            "gen_ai.usage.output_tokens": u.completion_tokens,
-            "gen_ai.response.finish_reasons": [finish.name.lower()],
-            "specmesh.rounds": u.rounds,
-            "specmesh.draft_tokens": u.draft_tokens,
-            "specmesh.accepted_draft_tokens": u.accepted_draft_tokens,
-            "specmesh.acceptance_rate": (u.accepted_draft_tokens / u.draft_tokens
-                                         if u.draft_tokens else 0.0),
-        })
-        self.metrics.requests.add(1, {"finish_reason": finish.name.lower()})
-        with trace.use_span(span):
-            log.info("request finished: session %s, %d prompt + %d completion tokens, %d rounds, "
-                     "%d/%d drafts accepted, finish %s", req.handle.session_id, u.prompt_tokens,
-                     u.completion_tokens, u.rounds, u.accepted_draft_tokens, u.draft_tokens,
-                     finish.name.lower())
-        if u.completion_tokens > 1:
-            self.metrics.itl.record((time.perf_counter() - req.first_token_at)
-                                    / (u.completion_tokens - 1))
-
-    # ----- rounds ------------------------------------------------------------------------
-
     def _resume_chunk(self, req: _Request) -> Chunk:
         """The tokens a cut stream's client has not received: committed from resume_from on."""
         h, start = req.handle, req.spec.resume_from
@@ -339,14 +265,14 @@ class GenerationEngine:
         while finish is None:
             if len(h.tokens) >= self.limits.max_context:
                 finish = Finish.CONTEXT
-                self._record_finish(span, req, finish)
+                self.telemetry.record_finish(span, req, finish)
                 yield Chunk(text=stop.flush(), token_ids=[], session_id=h.session_id,
                             finish=finish, usage=req.usage, offset=len(h.tokens))
                 break
             kind = self._drafter_kind(spec)
             k = self._choose_k(req, kind)
             start = time.perf_counter()
-            round_span = self._round_span(span, req, k)
+            round_span = self.telemetry.round_span(span, req, k)
             with trace.use_span(round_span, end_on_exit=True):
                 r = await self.rounds.run(h, spec.params, k, kind, req.seed, req.usage.rounds,
                                           req.deadline)
@@ -354,9 +280,9 @@ class GenerationEngine:
                 kept, text, finish = self._accept(req, r.proposed, detok, stop)
                 self._commit_counts(req, r, kept)
                 await self.store.commit(h, kept, req.owner)
-                self._record_round(round_span, req, r, len(kept), time.perf_counter() - start)
+                self.telemetry.record_round(round_span, req, r, len(kept), time.perf_counter() - start)
             if finish is not None:
-                self._record_finish(span, req, finish)
+                self.telemetry.record_finish(span, req, finish)
             yield Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
                         usage=req.usage if finish else None, offset=len(h.tokens) - len(kept))
 

@@ -190,9 +190,10 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
     limits = dataclasses.replace(limits, model=model)
     for follower in followers.values():
         follower.limits, follower.vocab = limits, vocab_hash(tokenizer)
-    engine = GenerationEngine(config, tokenizer, limits, drafters, verifiers, store)
-    engine.tracer = telemetry.tracer
-    engine.metrics = GatewayMetrics(telemetry.meter, lambda: engine.inflight)
+    engine = GenerationEngine(config, tokenizer, limits, drafters, verifiers, store,
+                              tracer=telemetry.tracer)
+    engine.metrics = engine.telemetry.metrics = GatewayMetrics(telemetry.meter,
+                                                               lambda: engine.inflight)
 
     def register(server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(engine, config), server)
