@@ -221,3 +221,29 @@ def test_verifier_killed_mid_stream_moves_the_session_without_losing_a_token(
     tokens = [t for c in chunks for t in c.token_ids]
     assert tokens == hf_greedy(model, tokenizer(prompt)["input_ids"], 80)
     assert verifier_stats(mesh_.proc(survivor).address).fresh_prefills >= 1
+
+
+def test_client_deadline_ends_the_request_and_frees_the_session(mesh):
+    """A client deadline shorter than the generation: DEADLINE_EXCEEDED at about the deadline,
+    and the session is free again right after (the gateway stopped working on it)."""
+    with GatewayClient(mesh.gateway_address) as client:
+        kept = client.generate(build_request("import os", max_new_tokens=2, keep_session=True))
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            # 480 target-only rounds, each two RPCs and a Redis commit: far beyond 0.2 s.
+            client.generate(build_request("\n", session_id=kept.session_id,
+                                          max_new_tokens=480, disable_speculation=True),
+                            timeout=0.2)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - start < 3.0
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                assert client.generate(build_request("#", session_id=kept.session_id,
+                                                     max_new_tokens=2)).token_ids
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.ABORTED
+                assert time.monotonic() < deadline, "the expired request kept the session"
+                time.sleep(0.05)
+        client.close_session(kept.session_id)
