@@ -116,18 +116,12 @@ def _spawn(name: str, argv: list[str], log_dir: Path, env: dict | None = None) -
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, preexec_fn=_die_with_parent,
+                             start_new_session=True,
                              env={**os.environ, **env} if env else None)
+    # No preexec_fn (e.g. PR_SET_PDEATHSIG): Python code between fork and exec can deadlock
+    # when other threads (gRPC's) hold locks; `up` stops its children on SIGINT/SIGTERM.
     log.close()
     return Proc(name=name, popen=popen, log_path=log_path, argv=argv, env=env or {})
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the parent dies, even by SIGKILL (Linux only)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _cli(*args: str) -> list[str]:
