@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from opentelemetry import metrics as metrics_api
 from opentelemetry import trace
 
 from gateway import clients
@@ -29,6 +30,7 @@ from gateway.rounds import RoundResult, RoundRunner
 from gateway.telemetry import RequestTelemetry
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, Unavailable
+from services.messages import check_token_ids
 from services.metrics import GatewayMetrics
 from services.session_store import SessionHandle, SessionStore
 
@@ -75,7 +77,7 @@ class TargetLimits:
 
 @dataclass
 class _Request:
-    spec: GenerationSpec | None
+    spec: GenerationSpec
     handle: SessionHandle
     owner: str
     seed: int
@@ -91,7 +93,7 @@ class GenerationEngine:
     def __init__(self, config: GatewayConfig, tokenizer, limits: TargetLimits,
                  drafters: ReplicaPool, verifiers: ReplicaPool, store: SessionStore,
                  tracer: trace.Tracer | None = None,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 meter: metrics_api.Meter | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.limits = limits
@@ -99,15 +101,12 @@ class GenerationEngine:
         self.verifiers = verifiers
         self.store = store
         self.rounds = RoundRunner(config, drafters, verifiers)
-        self.metrics = metrics or GatewayMetrics(_noop_meter(), lambda: 0)
+        meter = meter or metrics_api.NoOpMeterProvider().get_meter("specmesh")
+        self.metrics = GatewayMetrics(meter, lambda: self._inflight)
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
         self.costs: dict[str, CostModel] = {}  # per drafter kind
         self._inflight = 0
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
 
     # ----- request lifecycle -------------------------------------------------------------
 
@@ -132,19 +131,15 @@ class GenerationEngine:
                 raise
             finally:
                 span.end()
-                await self._finish(req)
+                await self._finish(req.handle, req.owner)
         finally:
             self._inflight -= 1
             self.metrics.active.add(-1)
 
     async def _tokenize(self, spec: GenerationSpec, continuing: bool) -> list[int]:
         if spec.prompt_ids:
-            ids = list(spec.prompt_ids)
-            bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
-            if bad:
-                raise InvalidArgument(f"prompt_token_ids contains ids outside the vocabulary "
-                                      f"[0, {self.limits.vocab_size}): {bad[:5]}")
-            return ids
+            check_token_ids(spec.prompt_ids, self.limits.vocab_size, "prompt_token_ids")
+            return list(spec.prompt_ids)
         if not spec.prompt:
             return []
         encoded = await asyncio.to_thread(self.tokenizer, spec.prompt,
@@ -191,11 +186,11 @@ class GenerationEngine:
                 f"leaves no room in the model's context of {self.limits.max_context} tokens: "
                 "shorten it")
 
-    async def _finish(self, req: _Request) -> None:
-        h = req.handle
+    async def _finish(self, h: SessionHandle, owner: str) -> None:
+        """A kept session gives up its lease; any other is deleted and its caches freed."""
         try:
             if h.keep:
-                await self.store.release(h.session_id, req.owner)
+                await self.store.release(h.session_id, owner)
                 return
             await self.store.delete(h.session_id)
         except Unavailable as exc:
@@ -261,6 +256,7 @@ class GenerationEngine:
         spec, h = req.spec, req.handle
         detok = IncrementalDetokenizer(self.tokenizer, list(h.tokens))
         stop = StopMatcher(list(spec.stop))
+        kind = self._drafter_kind(spec)
         finish: Finish | None = None
         while finish is None:
             if len(h.tokens) >= self.limits.max_context:
@@ -269,7 +265,6 @@ class GenerationEngine:
                 yield Chunk(text=stop.flush(), token_ids=[], session_id=h.session_id,
                             finish=finish, usage=req.usage, offset=len(h.tokens))
                 break
-            kind = self._drafter_kind(spec)
             k = self._choose_k(req, kind)
             start = time.perf_counter()
             round_span = self.telemetry.round_span(span, req, k)
@@ -340,13 +335,6 @@ class GenerationEngine:
         owner = uuid.uuid4().hex
         await self.store.acquire(session_id, owner)
         handle.keep = False
-        req = _Request(spec=None, handle=handle, owner=owner, seed=0,  # type: ignore[arg-type]
-                       deadline=lambda: None)
-        await self._finish(req)
+        await self._finish(handle, owner)
         return len(handle.tokens)
 
-
-def _noop_meter():
-    from opentelemetry.metrics import NoOpMeterProvider
-
-    return NoOpMeterProvider().get_meter("specmesh")

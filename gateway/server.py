@@ -13,7 +13,6 @@ from gateway.replicas import ReplicaPool
 from gateway.servicer import GatewayServicer
 from services.config import GatewayConfig
 from services.errors import InvalidArgument
-from services.metrics import GatewayMetrics
 from services.models import load_tokenizer, vocab_hash
 from services.server import serve
 from services.session_store import SessionStore
@@ -88,9 +87,9 @@ class _Follower:
         self.vocab = ""
 
     def on_change(self, addresses: frozenset[str]) -> None:  # called from discovery's thread
-        self.loop.call_soon_threadsafe(self._apply, addresses)
+        self.loop.call_soon_threadsafe(self.apply, addresses)
 
-    def _apply(self, addresses: frozenset[str]) -> None:
+    def apply(self, addresses: frozenset[str]) -> None:
         if addresses == frozenset(self.pool.replicas):
             return
         added = self.pool.update(addresses)
@@ -149,7 +148,7 @@ async def _poll_registry(client, followers: dict[str, _Follower], period_s: floa
             except RedisError as exc:
                 log.warning("replica registry unreachable: %s", exc)
                 continue
-            follower._apply(frozenset(live))
+            follower.apply(frozenset(live))
             for address, load in live.items():
                 if address in follower.pool.replicas:
                     follower.pool.replicas[address].load = load
@@ -191,9 +190,7 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
     for follower in followers.values():
         follower.limits, follower.vocab = limits, vocab_hash(tokenizer)
     engine = GenerationEngine(config, tokenizer, limits, drafters, verifiers, store,
-                              tracer=telemetry.tracer)
-    engine.metrics = engine.telemetry.metrics = GatewayMetrics(telemetry.meter,
-                                                               lambda: engine.inflight)
+                              tracer=telemetry.tracer, meter=telemetry.meter)
 
     def register(server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(engine, config), server)

@@ -16,7 +16,7 @@ from services.metrics import GatewayMetrics
 if TYPE_CHECKING:
     from gateway.engine import Finish, _Request
 
-log = logging.getLogger("gateway.engine")
+log = logging.getLogger(__name__)
 
 
 class RequestTelemetry:

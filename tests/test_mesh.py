@@ -74,7 +74,6 @@ def test_stream_chunks_add_up_to_the_whole_response(client, target_model):
     assert len(chunks) == chunks[-1].usage.rounds
     assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
     assert "".join(c.text for c in chunks) == whole.text
-    assert all("\ufffd" not in c.text for c in chunks) or "\ufffd" in whole.text
     assert all(c.finish_reason == 0 and not c.HasField("usage") for c in chunks[:-1])
     assert chunks[-1].finish_reason != 0 and chunks[-1].usage.completion_tokens == len(
         whole.token_ids)

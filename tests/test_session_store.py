@@ -307,20 +307,6 @@ def test_release_by_non_owner_does_not_release(redis_server, prefix, sync):
     assert sync.get(prefix + sid + ":lease") == b"other"
 
 
-def test_renew_only_by_owner(redis_server, prefix, sync):
-    sid = new_id()
-
-    async def body(store):
-        await store.acquire(sid, "owner")
-        with pytest.raises(Busy):
-            await store.renew(sid, "other")
-        await store.renew(sid, "owner")
-
-    run(redis_server, prefix, body, lease_s=3.0)
-    pttl = sync.pttl(prefix + sid + ":lease")
-    assert 0 < pttl <= 3000
-
-
 def test_lease_expires_and_another_owner_takes_over(redis_server, prefix):
     sid = new_id()
 
@@ -332,8 +318,6 @@ def test_lease_expires_and_another_owner_takes_over(redis_server, prefix):
             await store.acquire(sid, "fast")
         await asyncio.sleep(0.5)
         await store.acquire(sid, "fast")  # the lease of "slow" has expired
-        with pytest.raises(Busy):
-            await store.renew(sid, "slow")
         h.tokens += [3]
         with pytest.raises(Busy):
             await store.commit(h, [3], "slow")
@@ -469,7 +453,6 @@ def test_stopped_redis_makes_every_operation_unavailable(tmp_path):
             "load": store.load(sid),
             "commit": store.commit(h, [4], "me"),
             "acquire": store.acquire(sid, "other"),
-            "renew": store.renew(sid, "me"),
             "release": store.release(sid, "me"),
             "delete": store.delete(sid),
         }

@@ -12,7 +12,13 @@ import torch
 from services.errors import InvalidArgument
 from services.messages import VerifyCall, VerifyResult
 from services.model_runner import ModelEngine, check_delta
-from services.sampling import SparseDraft, validate_draft, verify_tokens
+from services.sampling import (
+    SparseDraft,
+    accept_greedy,
+    accept_sampled,
+    validate_draft,
+    warp_logits,
+)
 
 
 class VerifierEngine(ModelEngine):
@@ -68,7 +74,12 @@ class VerifierEngine(ModelEngine):
                                              start=delta.base_len, keep=k + 1)  # [k+1, V]
                 entry.tokens.extend(pending)
                 entry.tokens.extend(call.draft_ids)
-                accepted, extra = verify_tokens(draft, logits, call.params, generator)
+                # params and draft were validated above, off the model thread
+                if call.params.greedy:
+                    accepted, extra = accept_greedy(draft.token_ids, logits)
+                else:
+                    accepted, extra = accept_sampled(draft, warp_logits(logits, call.params),
+                                                     generator)
                 entry.crop(delta.base_len + len(pending) + accepted)
                 return accepted, extra
 
