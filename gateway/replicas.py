@@ -40,13 +40,15 @@ class Replica:
 
 class ReplicaPool:
     def __init__(self, kind: str, addresses: tuple[str, ...], retry_s: float,
-                 channel_options: list[tuple[str, int]], interceptors: list | None = None) -> None:
+                 channel_options: list[tuple[str, int]], interceptors: list | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self._stub_cls = {"drafter": drafter_pb2_grpc.DrafterStub,
                           "verifier": verifier_pb2_grpc.VerifierStub}[kind]
         self.kind = kind
         self._retry_s = retry_s
         self._options = [*channel_options, *_RECONNECT]
         self._interceptors = interceptors or None
+        self._credentials = credentials  # None: plaintext; else TLS (mTLS with a client cert)
         self.replicas: dict[str, Replica] = {}
         self.update(frozenset(addresses))
 
@@ -55,8 +57,12 @@ class ReplicaPool:
         channels close after a grace period); returns the added replicas."""
         added = []
         for address in sorted(addresses - self.replicas.keys()):
-            channel = grpc.aio.insecure_channel(address, options=self._options,
-                                                interceptors=self._interceptors)
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=self._options,
+                                                    interceptors=self._interceptors)
+            else:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options,
+                                                  interceptors=self._interceptors)
             self.replicas[address] = Replica(address, channel, self._stub_cls(channel))
             added.append(self.replicas[address])
         for address in self.replicas.keys() - addresses:

@@ -8,15 +8,17 @@ import logging
 import time
 
 from gateway import clients
+from gateway.auth import Authenticator
 from gateway.engine import GenerationEngine, TargetLimits
 from gateway.replicas import ReplicaPool
 from gateway.servicer import GatewayServicer
-from services.config import GatewayConfig
-from services.errors import InvalidArgument
+from services.config import GatewayConfig, redact_url
+from services.errors import InvalidArgument, Unavailable
 from services.models import load_tokenizer, vocab_hash
 from services.server import serve
 from services.session_store import SessionStore
 from services.telemetry import Telemetry, TelemetryConfig, setup
+from services.tls import channel_credentials
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -165,15 +167,21 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
     options = config.server.grpc_options
     interceptors = telemetry.client_interceptors()
     static = config.discovery == "static"
+    # mTLS to drafters and verifiers when a CA is configured; otherwise plaintext inside the mesh.
+    creds = channel_credentials(config.server.tls) if config.server.tls.mutual else None
     verifiers = ReplicaPool("verifier", config.verifiers if static else (),
-                            config.replica_retry_s, options, interceptors)
+                            config.replica_retry_s, options, interceptors, creds)
     drafters = ReplicaPool("drafter", config.drafters if static else (),
-                           config.replica_retry_s, options, interceptors)
+                           config.replica_retry_s, options, interceptors, creds)
     loop = asyncio.get_running_loop()
     followers = {"verifier": _Follower(verifiers, loop), "drafter": _Follower(drafters, loop)}
     watchers = _start_discovery(config, followers) if config.discovery == "kubernetes" else []
     store = SessionStore.from_url(config.redis_url, config.session_ttl_s, config.lease_s)
-    await store.ping()
+    try:
+        await store.ping()
+    except Unavailable as exc:
+        raise StartupError(f"cannot use Redis at {redact_url(config.redis_url)}: {exc.__cause__ or exc}"
+                           " (check the URL, its password and TLS settings)") from exc
     poller = (loop.create_task(_poll_registry(store.client, followers))
               if config.discovery == "redis" else None)
     if not static:
@@ -192,8 +200,13 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
     engine = GenerationEngine(config, tokenizer, limits, drafters, verifiers, store,
                               tracer=telemetry.tracer, meter=telemetry.meter)
 
+    auth = Authenticator(config.api_keys, store.client)
+    if not auth.enabled:
+        log.warning("no --api-keys: every client may use this gateway (fine on a private network)")
+
     def register(server) -> None:
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(engine, config), server)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(engine, config, auth),
+                                                       server)
 
     async def on_stop() -> None:
         for watcher in watchers:

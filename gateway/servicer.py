@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.auth import Authenticator
 from gateway.engine import Chunk, Finish, GenerationEngine, Usage
 from gateway.requests import spec_from_request
 from services.config import GatewayConfig
@@ -32,21 +33,27 @@ def _chunk(c: Chunk) -> gateway_pb2.GenerateChunk:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, engine: GenerationEngine, config: GatewayConfig) -> None:
+    """Every RPC authenticates first (API key, rate limit), then validates, then runs."""
+
+    def __init__(self, engine: GenerationEngine, config: GatewayConfig,
+                 auth: Authenticator) -> None:
         self.engine = engine
         self.config = config
+        self.auth = auth
 
     @grpc_errors
     async def GenerateStream(self, request, context):
+        tenant = await self.auth.authenticate(context.invocation_metadata())
         spec = spec_from_request(request, self.config)
-        async for chunk in self.engine.generate(spec, context.time_remaining):
+        async for chunk in self.engine.generate(spec, context.time_remaining, tenant):
             yield _chunk(chunk)
 
     @grpc_errors
     async def Generate(self, request, context):
+        tenant = await self.auth.authenticate(context.invocation_metadata())
         spec = spec_from_request(request, self.config)
         text, ids, last = [], [], None
-        async for chunk in self.engine.generate(spec, context.time_remaining):
+        async for chunk in self.engine.generate(spec, context.time_remaining, tenant):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             last = chunk
@@ -56,5 +63,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @grpc_errors
     async def CloseSession(self, request, context):
-        count = await self.engine.close_session(request.session_id)
+        tenant = await self.auth.authenticate(context.invocation_metadata())
+        count = await self.engine.close_session(request.session_id, tenant)
         return gateway_pb2.CloseSessionResponse(committed_tokens=count)

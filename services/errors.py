@@ -42,6 +42,14 @@ class Overloaded(SpecMeshError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class Unauthenticated(SpecMeshError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(SpecMeshError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unavailable(SpecMeshError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -133,5 +133,6 @@ def run_service(config: ModelServiceConfig, telemetry: Telemetry, engine,
         telemetry.shutdown()
 
     asyncio.run(serve(config.server, register, [service_name], on_started=on_started,
-                      on_stop=on_stop, interceptors=telemetry.server_interceptors()))
+                      on_stop=on_stop, interceptors=telemetry.server_interceptors(),
+                      require_client_cert=True))
 

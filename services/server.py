@@ -13,6 +13,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services.config import ServerConfig
+from services.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +25,17 @@ async def serve(
     on_started: Callable[[int], None] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     interceptors: list | None = None,
+    require_client_cert: bool = False,
 ) -> None:
     """Runs a server until SIGTERM/SIGINT; reports SERVING once it listens.
 
     Callers load and warm their models *before* calling this, so SERVING means
     ready. On a signal: health goes NOT_SERVING, in-flight calls get
     ``config.grace_s`` to finish, then ``on_stop`` closes clients.
+
+    With ``config.tls`` the port speaks only TLS (mTLS when ``require_client_cert`` and a
+    CA is configured); ``config.health_port`` adds a plaintext port that serves nothing but
+    grpc.health.v1, for probes that cannot speak TLS.
     """
     server = grpc.aio.server(options=config.grpc_options, interceptors=interceptors or ())
     register(server)
@@ -40,13 +46,26 @@ async def serve(
          reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(config.address)
+    if config.tls.enabled:
+        port = server.add_secure_port(config.address,
+                                      server_credentials(config.tls, require_client_cert))
+    else:
+        port = server.add_insecure_port(config.address)
     if port == 0:
         raise RuntimeError(f"cannot listen on {config.address}")
+    probe = None
+    if config.health_port:
+        probe = grpc.aio.server(options=config.grpc_options)
+        health_pb2_grpc.add_HealthServicer_to_server(health, probe)
+        if probe.add_insecure_port(f"{config.host}:{config.health_port}") == 0:
+            raise RuntimeError(f"cannot listen on {config.host}:{config.health_port}")
+        await probe.start()
     await server.start()
     for name in ["", *service_names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on port %d", ", ".join(service_names), port)
+    log.info("serving %s on port %d (%s)", ", ".join(service_names), port,
+             ("mTLS" if require_client_cert and config.tls.mutual else "TLS")
+             if config.tls.enabled else "plaintext")
     if on_started is not None:
         on_started(port)
 
@@ -58,5 +77,7 @@ async def serve(
     log.info("shutting down: draining for %.1f s", config.grace_s)
     await health.enter_graceful_shutdown()
     await server.stop(config.grace_s)
+    if probe is not None:
+        await probe.stop(0)
     if on_stop is not None:
         await on_stop()

@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from specmesh import loadtest
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="SpecMesh: lossless speculative decoding across drafter, verifier and "
                        "gateway gRPC services.")
@@ -60,18 +62,41 @@ Advertise = Annotated[str, typer.Option("--advertise", envvar="SPECMESH_ADVERTIS
                                              "bind address, or the hostname for 0.0.0.0).")]
 
 
+TlsCert = Annotated[str, typer.Option("--tls-cert", envvar="SPECMESH_TLS_CERT",
+                                      help="PEM certificate chain: serve TLS only.")]
+TlsKey = Annotated[str, typer.Option("--tls-key", envvar="SPECMESH_TLS_KEY",
+                                     help="PEM private key of --tls-cert.")]
+TlsCa = Annotated[str, typer.Option("--tls-ca", envvar="SPECMESH_TLS_CA",
+                                    help="The mesh's CA (PEM): drafters and verifiers accept only "
+                                         "clients with a certificate it signed (mTLS); the "
+                                         "gateway dials them over mTLS.")]
+HealthPort = Annotated[int, typer.Option("--health-port", envvar="SPECMESH_HEALTH_PORT",
+                                         help="Plaintext port serving only grpc.health.v1, for "
+                                              "probes when TLS is on (0 = off).")]
+
+
+def _server(port: int, host: str, tls_cert: str, tls_key: str, tls_ca: str, health_port: int):
+    from services.config import ServerConfig, TlsConfig
+
+    try:
+        return ServerConfig(port=port, host=host, health_port=health_port,
+                            tls=TlsConfig(cert=tls_cert, key=tls_key, ca=tls_ca))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
 KvBudget = Annotated[int, typer.Option("--kv-budget-mb", envvar="SPECMESH_KV_BUDGET_MB",
                                        help="KV cache memory budget; idle sessions are "
                                             "evicted least recently used first (0 = none).")]
 
 
-def _model_service(kind: str, host, port, model, device, dtype, max_sessions, max_draft, threads,
+def _model_service(kind: str, server, model, device, dtype, max_sessions, max_draft, threads,
                    max_queue, telemetry, drafter_kind: str = "model", redis: str = "",
                    advertise: str = "", kv_budget_mb: int = 0) -> None:
-    from services.config import ModelServiceConfig, ServerConfig
+    from services.config import ModelServiceConfig
 
     try:
-        config = ModelServiceConfig(server=ServerConfig(port=port, host=host), model=model,
+        config = ModelServiceConfig(server=server, model=model,
                                     device=device, dtype=dtype, max_sessions=max_sessions,
                                     max_draft_tokens=max_draft, threads=threads,
                                     max_queue=max_queue, kind=drafter_kind, redis_url=redis,
@@ -96,10 +121,12 @@ def drafter(model: Model,
             max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
             metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
             log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "",
-            kv_budget_mb: KvBudget = 0) -> None:
+            kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "", tls_key: TlsKey = "",
+            tls_ca: TlsCa = "", health_port: HealthPort = 0) -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
-    _model_service("drafter", host, port, model, device, dtype, max_sessions, max_draft_tokens,
+    _model_service("drafter", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
+                   device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("drafter", metrics_port, log_format, log_level), kind, redis,
                    advertise, kv_budget_mb)
@@ -111,9 +138,11 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
              metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
              log_level: LogLevel = "info", redis: Redis = "",
-             advertise: Advertise = "", kv_budget_mb: KvBudget = 0) -> None:
+             advertise: Advertise = "", kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "",
+             tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
-    _model_service("verifier", host, port, model, device, dtype, max_sessions, max_draft_tokens,
+    _model_service("verifier", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
+                   device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("verifier", metrics_port, log_format, log_level), "model", redis,
                    advertise, kv_budget_mb)
@@ -166,18 +195,32 @@ def gateway(
                                               help="Concurrent requests before "
                                                    "RESOURCE_EXHAUSTED.")] = 64,
     rpc_timeout_s: Annotated[float, typer.Option(envvar="SPECMESH_RPC_TIMEOUT_S")] = 30.0,
+    store_outage_s: Annotated[float, typer.Option(
+        "--store-outage-s", envvar="SPECMESH_STORE_OUTAGE_S",
+        help="How long a finished request on a kept session waits for an unreachable Redis "
+             "to save its last tokens before it fails with UNAVAILABLE.")] = 30.0,
     metrics_port: MetricsPort = 0,
     log_format: LogFormat = "json",
     log_level: LogLevel = "info",
+    tls_cert: TlsCert = "",
+    tls_key: TlsKey = "",
+    tls_ca: TlsCa = "",
+    health_port: HealthPort = 0,
+    api_keys: Annotated[str, typer.Option(
+        "--api-keys", envvar="SPECMESH_API_KEYS",
+        help="JSON file of API keys (SHA-256 digests, per-key rate limits; see "
+             "`specmesh api-key`). Without it the gateway accepts every client.")] = "",
 ) -> None:
     """Run the gateway: the public specmesh.v1.Gateway API and the round loop."""
     from gateway.server import StartupError, run
-    from services.config import GatewayConfig, ServerConfig, parse_addresses
+    from services.config import GatewayConfig, load_api_keys, parse_addresses
 
     telemetry = _telemetry("gateway", metrics_port, log_format, log_level)
+    server = _server(port, host, tls_cert, tls_key, tls_ca, health_port)
     try:
         config = GatewayConfig(
-            server=ServerConfig(port=port, host=host), model=model, redis_url=redis,
+            server=server, model=model, redis_url=redis,
+            api_keys=load_api_keys(api_keys) if api_keys else (),
             drafters=parse_addresses(drafters), verifiers=parse_addresses(verifiers),
             num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
             max_support=max_support,
@@ -187,7 +230,8 @@ def gateway(
             verifier_port=verifier_port,
             default_max_new_tokens=default_max_new_tokens,
             max_new_tokens_cap=max_new_tokens_cap, session_ttl_s=session_ttl_s,
-            max_inflight=max_inflight, rpc_timeout_s=rpc_timeout_s)
+            max_inflight=max_inflight, rpc_timeout_s=rpc_timeout_s,
+            store_outage_s=store_outage_s)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:
@@ -198,9 +242,16 @@ def gateway(
 
 
 def _default_pair() -> tuple[str, str]:
+    """The demo pair shipped in models/ (docs/models.md); without it (an install that did not
+    copy models/), a tiny random-weight pair that exercises the mesh but writes gibberish."""
     from services.local_mesh import default_cache_dir
     from services.tiny_models import build_tiny_pair
 
+    shipped = Path(__file__).resolve().parent.parent / "models"
+    if all((shipped / name / "model.safetensors").exists()
+           for name in ("demo-target", "demo-drafter")):
+        return str(shipped / "demo-target"), str(shipped / "demo-drafter")
+    typer.echo("models/ not found: using a tiny random-weight pair (gibberish output)", err=True)
     target, draft = build_tiny_pair(default_cache_dir() / "tiny-pair")
     return str(target), str(draft)
 
@@ -211,8 +262,8 @@ def up(
     drafters: Annotated[int, typer.Option(help="Model drafter processes.")] = 1,
     ngram_drafters: Annotated[int, typer.Option(help="Prompt-lookup drafter processes.")] = 0,
     verifiers: Annotated[int, typer.Option(help="Verifier processes.")] = 1,
-    target: Annotated[str, typer.Option(help="Target model (default: the bundled pair).")] = "",
-    draft: Annotated[str, typer.Option(help="Draft model (default: the bundled pair).")] = "",
+    target: Annotated[str, typer.Option(help="Target model (default: the demo pair in models/).")] = "",
+    draft: Annotated[str, typer.Option(help="Draft model (default: the demo pair in models/).")] = "",
     redis: Annotated[str, typer.Option(help="External Redis URL (default: embedded).")] = "",
     log_dir: Annotated[Path | None, typer.Option(help="Where the processes' logs go.")] = None,
 ) -> None:
@@ -226,7 +277,7 @@ def up(
     if bool(target) != bool(draft):
         raise typer.BadParameter("give both --target and --draft, or neither")
     if not target:
-        with console.status("building the bundled demo model pair"):
+        with console.status("finding the demo model pair"):
             target, draft = _default_pair()
     with console.status("checking that draft and target share a vocabulary"):
         t_vocab, d_vocab = vocab_hash(load_tokenizer(target)), vocab_hash(load_tokenizer(draft))
@@ -263,6 +314,12 @@ def generate(
                                               "gateway's).")] = "",
     session: Annotated[str, typer.Option(help="Continue this session.")] = "",
     keep_session: Annotated[bool, typer.Option(help="Keep the session for later turns.")] = False,
+    tls_ca: Annotated[str, typer.Option(envvar="SPECMESH_TLS_CA",
+                                        help="Verify a TLS gateway with this CA (PEM).")] = "",
+    tls: Annotated[bool, typer.Option(help="TLS with the system's trusted roots.")] = False,
+    api_key: Annotated[str, typer.Option(envvar="SPECMESH_API_KEY",
+                                         help="API key of a gateway started with --api-keys.")
+                       ] = "",
 ) -> None:
     """Stream a completion from a gateway, then print a one-line summary."""
     import grpc
@@ -278,7 +335,7 @@ def generate(
     start = time.perf_counter()
     last = None
     try:
-        with GatewayClient(addr) as client:
+        with GatewayClient(addr, tls_ca=tls_ca, tls=tls, api_key=api_key) as client:
             for chunk in client.stream(request):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -294,42 +351,14 @@ def generate(
                f"finish {finish_name(last.finish_reason)}, session {last.session_id}]", err=True)
 
 
-@app.command()
-def distill(
-    target: Annotated[str, typer.Option("--target", help="Target model: directory or hub name.")],
-    out: Annotated[Path, typer.Option("--out", help="Where the drafter is saved.")],
-    corpus: Annotated[list[str] | None, typer.Option(
-        "--corpus", help="Text files or folders (repeatable); default: the stdlib train split.")
-    ] = None,
-    layers: Annotated[int, typer.Option(help="Drafter layers.")] = 2,
-    hidden: Annotated[int, typer.Option(help="Drafter hidden size.")] = 128,
-    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 1000,
-    seq_len: Annotated[int, typer.Option(help="Tokens per training window.")] = 256,
-    batch_size: Annotated[int, typer.Option(help="Windows per step.")] = 8,
-    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 2e-3,
-    temperature: Annotated[float, typer.Option(help="Distillation temperature.")] = 1.0,
-    seed: Annotated[int, typer.Option()] = 0,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")
-                      ] = False,
-    bf16: Annotated[str, typer.Option(help="auto (when the CPU has AVX-512/AMX), on or off.")
-                    ] = "auto",
-    max_minutes: Annotated[float | None, typer.Option(help="Stop (and save) after this long.")
-                           ] = None,
-    save_dtype: Annotated[str, typer.Option(help="float32 or float16.")] = "float32",
-    threads: Annotated[int, typer.Option(help="torch CPU threads (0 = default).")] = 0,
-) -> None:
-    """Distill a drafter that shares TARGET's tokenizer (KL to the target's next-token
-    distribution); prints the acceptance rate and latencies at the end."""
-    import torch
+from specmesh import distill_cli, security_cli  # noqa: E402 - commands in their own modules
 
-    from training.distill import distill as run_distill
+app.command("distill")(distill_cli.distill)
+app.command("api-key")(security_cli.api_key)
+app.command("certs")(security_cli.certs)
 
-    if threads:
-        torch.set_num_threads(threads)
-    run_distill(target, corpus or None, out, layers=layers, hidden=hidden, steps=steps,
-                seq_len=seq_len, batch_size=batch_size, lr=lr, temperature=temperature,
-                seed=seed, resume=resume, bf16=bf16, max_minutes=max_minutes,
-                save_dtype=save_dtype, threads=threads or None)
+
+app.command("load")(loadtest.load)
 
 
 def main() -> None:

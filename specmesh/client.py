@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 
@@ -30,9 +31,18 @@ def build_request(prompt: str = "", *, prompt_token_ids: list[int] | None = None
 
 
 class GatewayClient:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+    """``tls_ca``: verify the gateway's certificate with this CA (PEM file); ``tls``: TLS with
+    the system's roots; ``api_key``: sent as ``authorization: Bearer <key>`` on every call."""
+
+    def __init__(self, address: str, *, tls_ca: str = "", tls: bool = False,
+                 api_key: str = "") -> None:
+        if tls_ca or tls:
+            roots = Path(tls_ca).read_bytes() if tls_ca else None
+            self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(roots))
+        else:
+            self.channel = grpc.insecure_channel(address)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def __enter__(self) -> GatewayClient:
         return self
@@ -42,14 +52,15 @@ class GatewayClient:
 
     def generate(self, request: gateway_pb2.GenerateRequest,
                  timeout: float | None = None) -> gateway_pb2.GenerateResponse:
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     def stream(self, request: gateway_pb2.GenerateRequest,
                timeout: float | None = None) -> Iterator[gateway_pb2.GenerateChunk]:
-        return self.stub.GenerateStream(request, timeout=timeout)
+        return self.stub.GenerateStream(request, timeout=timeout, metadata=self.metadata)
 
     def close_session(self, session_id: str) -> int:
-        reply = self.stub.CloseSession(gateway_pb2.CloseSessionRequest(session_id=session_id))
+        reply = self.stub.CloseSession(gateway_pb2.CloseSessionRequest(session_id=session_id),
+                                       metadata=self.metadata)
         return reply.committed_tokens
 
 

@@ -58,6 +58,8 @@ OVERRIDES = {
         "type": "LoadBalancer",
         "annotations": {"service.beta.kubernetes.io/aws-load-balancer-type": "nlb"}}}},
     "no-networkpolicy": {"networkPolicy": {"enabled": False}},
+    "tls-apikeys": {"security": {"tls": {"secretName": "specmesh-tls", "healthPort": 8090},
+                                 "apiKeysSecret": "specmesh-api-keys"}},
     "servicemonitor": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
     "pvc-models-otel": {
         "drafter": {"models": {"existingClaim": "models"}, "pdb": {"minAvailable": 1}},
@@ -251,6 +253,8 @@ def test_probes_are_grpc_with_drain(case):
     for tier, d in by_component(docs, "Deployment").items():
         (c,) = containers(d)
         port = c["ports"][0]["containerPort"]
+        if case == "tls-apikeys":  # TLS on the service port: probes use the plaintext health port
+            port = 8090
         probes = ["livenessProbe", "readinessProbe"]
         if tier != "gateway":
             probes.append("startupProbe")  # model tiers load a model first
@@ -497,3 +501,29 @@ def test_scaling_one_tier_changes_only_its_objects(tier, change):
     for k in changed:
         obj = after.get(k) or before[k]
         assert component(obj) == tier, (k, component(obj))
+
+
+def test_tls_and_api_keys_are_mounted_and_passed_to_the_cli():
+    """The TLS Secret reaches every tier as SPECMESH_TLS_* files; the API key Secret only the
+    gateway; without them no tier gets either."""
+    for case in ("tls-apikeys", "default"):
+        on = case == "tls-apikeys"
+        for tier, d in by_component(rendered(case), "Deployment").items():
+            (c,) = containers(d)
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+            volumes = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+            if not on:
+                assert not {"SPECMESH_TLS_CERT", "SPECMESH_API_KEYS"} & set(env)
+                assert "tls" not in volumes and "api-keys" not in volumes
+                continue
+            assert volumes["tls"]["secret"]["secretName"] == "specmesh-tls"
+            for name, file in (("SPECMESH_TLS_CERT", "tls.crt"), ("SPECMESH_TLS_KEY", "tls.key"),
+                               ("SPECMESH_TLS_CA", "ca.crt")):
+                assert env[name] == f"{mounts['tls']}/{file}"
+            assert env["SPECMESH_HEALTH_PORT"] == "8090"
+            if tier == "gateway":
+                assert env["SPECMESH_API_KEYS"] == f"{mounts['api-keys']}/keys.json"
+                assert volumes["api-keys"]["secret"]["secretName"] == "specmesh-api-keys"
+            else:
+                assert "SPECMESH_API_KEYS" not in env and "api-keys" not in volumes

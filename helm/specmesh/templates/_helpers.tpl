@@ -177,6 +177,20 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
 - name: SPECMESH_THREADS
   value: {{ $c.threads | quote }}
 {{- end }}
+{{- if $root.Values.security.tls.secretName }}
+- name: SPECMESH_TLS_CERT
+  value: /etc/specmesh/tls/tls.crt
+- name: SPECMESH_TLS_KEY
+  value: /etc/specmesh/tls/tls.key
+- name: SPECMESH_TLS_CA
+  value: /etc/specmesh/tls/ca.crt
+- name: SPECMESH_HEALTH_PORT
+  value: {{ $root.Values.security.tls.healthPort | quote }}
+{{- end }}
+{{- if and (eq .tier "gateway") $root.Values.security.apiKeysSecret }}
+- name: SPECMESH_API_KEYS
+  value: /etc/specmesh/api-keys/keys.json
+{{- end }}
 - name: HOME
   value: /tmp
 - name: HF_HOME
@@ -288,19 +302,20 @@ spec:
               protocol: TCP
           env:
             {{- include "specmesh.env" (dict "root" $root "tier" $tier) | trim | nindent 12 }}
+          {{- $probePort := ternary $root.Values.security.tls.healthPort $v.service.port (ne $root.Values.security.tls.secretName "") }}
           {{- if $v.probes.startup.enabled }}
           startupProbe:
             grpc:
-              port: {{ $v.service.port }}
+              port: {{ $probePort }}
             {{- toYaml (omit $v.probes.startup "enabled") | nindent 12 }}
           {{- end }}
           livenessProbe:
             grpc:
-              port: {{ $v.service.port }}
+              port: {{ $probePort }}
             {{- toYaml $v.probes.liveness | nindent 12 }}
           readinessProbe:
             grpc:
-              port: {{ $v.service.port }}
+              port: {{ $probePort }}
             {{- toYaml $v.probes.readiness | nindent 12 }}
           lifecycle:
             preStop:
@@ -320,7 +335,29 @@ spec:
             - name: models
               mountPath: {{ $v.models.mountPath }}
               readOnly: true
+            {{- if $root.Values.security.tls.secretName }}
+            - name: tls
+              mountPath: /etc/specmesh/tls
+              readOnly: true
+            {{- end }}
+            {{- if and (eq $tier "gateway") $root.Values.security.apiKeysSecret }}
+            - name: api-keys
+              mountPath: /etc/specmesh/api-keys
+              readOnly: true
+            {{- end }}
       volumes:
+        {{- with $root.Values.security.tls.secretName }}
+        - name: tls
+          secret:
+            secretName: {{ . }}
+            defaultMode: 0440
+        {{- end }}
+        {{- if and (eq $tier "gateway") $root.Values.security.apiKeysSecret }}
+        - name: api-keys
+          secret:
+            secretName: {{ $root.Values.security.apiKeysSecret }}
+            defaultMode: 0440
+        {{- end }}
         - name: tmp
           emptyDir:
             sizeLimit: {{ $v.tmpSizeLimit }}
