@@ -1,0 +1,106 @@
+"""`specmesh load`: concurrent streams against a real mesh, the figures it reports, and that a
+failure is counted with its status code and fails the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from services.local_mesh import free_port
+from specmesh import loadtest
+from specmesh.cli import app
+from specmesh.loadtest import LoadOptions, measure, percentiles, run_streams
+
+
+def _ordered(p: dict | None) -> None:
+    assert p is not None
+    assert 0 < p["p50"] <= p["p90"] <= p["p99"], p
+
+
+def test_percentiles_interpolate_between_ranks():
+    assert percentiles([]) is None
+    p = percentiles([float(x) for x in range(101, 0, -1)])  # 101..1, unsorted on purpose
+    assert p == {"p50": 51.0, "p90": 91.0, "p99": 100.0}
+    assert percentiles([2.0, 4.0]) == {"p50": 3.0, "p90": pytest.approx(3.8),
+                                       "p99": pytest.approx(3.98)}
+
+
+def test_load_against_a_real_mesh_counts_every_request_and_token(mesh):
+    pids = {p.name: p.popen.pid for p in mesh.procs}
+    opts = LoadOptions(streams=3, duration_s=6, max_new_tokens=16, timeout_s=60)
+    seen = []
+    report = measure(mesh.gateway_address, opts, pids, progress=lambda *a: seen.append(a))
+
+    assert report["errors"] == {} and report["warmup"]["errors"] == {}, report["error_details"]
+    assert report["warmup"]["requests"] == 3  # one per stream
+    assert report["requests"] == report["ok"] >= 3
+    assert report["wall_s"] >= 6
+    _ordered(report["ttft_ms"])
+    _ordered(report["itl_ms"])
+    _ordered(report["latency_ms"])
+    assert report["ttft_ms"]["p50"] <= report["latency_ms"]["p99"]
+    assert report["tokens_per_s"] == pytest.approx(report["tokens_total"] / report["wall_s"])
+    assert {s[0] for s in seen} == {"warm-up", "load"}
+    assert seen[-1][2] == report["requests"] and seen[-1][4] == report["tokens_total"]
+
+    assert set(report["rss"]) == set(pids)
+    for name, v in report["rss"].items():
+        assert v["pid"] == pids[name]
+        assert v["start_bytes"] > 0 and v["end_bytes"] > 0, (name, v)
+        assert v["growth_bytes"] == v["end_bytes"] - v["start_bytes"]
+    assert not loadtest.failed(report)
+    json.dumps(report)  # serializable as is
+
+
+def test_each_request_record_is_consistent(mesh):
+    opts = LoadOptions(streams=2, max_new_tokens=12, timeout_s=60)
+    records, _ = run_streams(mesh.gateway_address, opts, per_stream=2)
+    assert len(records) == 4
+    total = 0
+    for r in records:
+        assert r.ok, (r.code, r.detail)
+        assert 0 < r.tokens <= 12
+        assert 0 < r.ttft_s <= r.latency_s
+        # the first chunk's tokens have no ITL sample; every later token has exactly one
+        assert len(r.itl_s) < r.tokens and all(x >= 0 for x in r.itl_s)
+        assert sum(r.itl_s) <= r.latency_s - r.ttft_s + 1e-6
+        total += r.tokens
+    report = loadtest.build_report("x", opts, records, 1.0, [], None, None, None)
+    assert report["tokens_total"] == total and report["rss"] is None
+
+
+def test_nothing_listening_is_counted_as_unavailable():
+    dead = f"127.0.0.1:{free_port()}"
+    report = measure(dead, LoadOptions(streams=2, duration_s=1, timeout_s=5))
+    assert report["ok"] == 0 and report["requests"] >= 2
+    assert report["errors"] == {"UNAVAILABLE": report["requests"]}
+    assert report["warmup"]["errors"] == {"UNAVAILABLE": 2}
+    assert report["tokens_total"] == 0 and report["ttft_ms"] is None
+    assert report["rss"] is None and loadtest.failed(report)
+
+
+def test_cli_exits_non_zero_and_reports_the_status_of_rejected_requests(mesh, tmp_path):
+    out = tmp_path / "report.json"
+    # the mesh fixture caps max_new_tokens at 512: the gateway rejects every request
+    result = CliRunner().invoke(app, ["load", "--addr", mesh.gateway_address, "--streams", "2",
+                                      "--duration", "1", "--max-new-tokens", "513",
+                                      "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    report = json.loads(out.read_text())
+    assert set(report["errors"]) == {"INVALID_ARGUMENT"}
+    assert report["errors"]["INVALID_ARGUMENT"] == report["requests"] >= 2
+    assert "max_new_tokens" in report["error_details"][0]
+    assert "INVALID_ARGUMENT" in result.output
+
+
+def test_cli_succeeds_against_a_healthy_mesh(mesh, tmp_path):
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["load", "--addr", mesh.gateway_address, "--streams", "1",
+                                      "--duration", "1", "--max-new-tokens", "8",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["errors"] == {} and report["requests"] >= 1
+    assert "TTFT" in result.output and "not measured" in result.output
