@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from training import corpus
+from training.loop import sha256_file
 
 __all__ = ["acceptance_from_logits", "evaluate_alpha", "measure_latency", "held_out_windows",
            "evaluate_pair", "main"]
@@ -188,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                         batch_size=args.batch_size, latency_context=args.latency_context,
                         latency_tokens=args.latency_tokens, threads=args.threads or None)
     print(format_table(res))
+    for role, path in (("target", args.target), ("draft", args.draft)):
+        if Path(path).is_dir():  # which weights the figures belong to
+            res[f"{role}_sha256"] = {f.name: sha256_file(f)
+                                     for f in sorted(Path(path).glob("model*.safetensors"))}
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
     return 0
