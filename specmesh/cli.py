@@ -251,7 +251,8 @@ def _default_pair() -> tuple[str, str]:
     if all((shipped / name / "model.safetensors").exists()
            for name in ("demo-target", "demo-drafter")):
         return str(shipped / "demo-target"), str(shipped / "demo-drafter")
-    typer.echo("models/ not found: using a tiny random-weight pair (gibberish output)", err=True)
+    typer.echo("no demo pair in models/: using a tiny random-weight pair (gibberish output)",
+               err=True)
     target, draft = build_tiny_pair(default_cache_dir() / "tiny-pair")
     return str(target), str(draft)
 
