@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from services.batching import Row, StepJob
 from services.errors import InvalidArgument
+from services.kv_cache import SessionCache
 from services.messages import DraftCall, DraftResult
 from services.model_runner import ModelEngine, check_delta, check_num_tokens
 from services.sampling import sparse_draft_sample, warp_logits
@@ -33,25 +35,39 @@ class DrafterEngine(ModelEngine):
         generator = torch.Generator().manual_seed(call.seed)
 
         with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash) as entry:
-
-            def work() -> list[tuple[int, list[int], list[float]]]:
-                out = []
-                pending = list(delta.new_tokens)
-                for _ in range(call.num_tokens):
-                    logits = self.runner.forward(pending, entry.kv, start=len(entry.tokens),
-                                                 keep=1)  # [1, V]
-                    entry.tokens.extend(pending)
-                    probs = warp_logits(logits[0], call.params)  # [V]
-                    token, ids, q = sparse_draft_sample(probs, call.max_support, generator)
-                    out.append((token, ids.tolist(), q.tolist()))
-                    pending = [token]
-                return out
-
-            drafts, ms = await self.runner.run(work)
+            job = _DraftJob(entry, list(delta.new_tokens), call, generator)
+            drafts, ms, batch = await self.runner.submit(job)
             self.stats.fed_tokens += len(delta.new_tokens)
             self.stats.draft_tokens += len(drafts)
             return DraftResult(
                 token_ids=tuple(t for t, _, _ in drafts),
                 q_ids=tuple(tuple(ids) for _, ids, _ in drafts),
                 q_probs=tuple(tuple(q) for _, _, q in drafts),
-                cached_len=len(entry.tokens), cache_hit=delta.base_len > 0, compute_ms=ms)
+                cached_len=len(entry.tokens), cache_hit=delta.base_len > 0, compute_ms=ms,
+                batch_size=batch)
+
+
+class _DraftJob(StepJob):
+    """num_tokens passes: the pending tokens, then each sampled draft token in turn."""
+
+    def __init__(self, entry: SessionCache, pending: list[int], call: DraftCall,
+                 generator: torch.Generator) -> None:
+        self.entry, self.pending, self.call, self.generator = entry, pending, call, generator
+        self.out: list[tuple[int, list[int], list[float]]] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= self.call.num_tokens
+
+    def next_row(self) -> Row:
+        return Row(tokens=self.pending, kv=self.entry.kv, start=len(self.entry.tokens), keep=1)
+
+    def take(self, logits: torch.Tensor) -> None:  # logits [1, V]
+        self.entry.tokens.extend(self.pending)
+        probs = warp_logits(logits[0], self.call.params)  # [V]
+        token, ids, q = sparse_draft_sample(probs, self.call.max_support, self.generator)
+        self.out.append((token, ids.tolist(), q.tolist()))
+        self.pending = [token]
+
+    def result(self) -> list[tuple[int, list[int], list[float]]]:
+        return self.out

@@ -27,7 +27,7 @@ from gateway.clients import ReplicaFailed
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
-from gateway.rounds import RoundResult, RoundRunner
+from gateway.rounds import Prefetch, RoundResult, RoundRunner
 from gateway.telemetry import RequestTelemetry
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, PermissionDenied, Unavailable
@@ -89,6 +89,7 @@ class _Request:
     first_token_at: float = 0.0
     adaptive: AdaptiveK | None = None  # None: a fixed k
     pending: int = 0  # the last tokens of handle.tokens not yet in Redis (it was unreachable)
+    prefetch: Prefetch | None = None  # drafts prepared for the next round (pipelining)
 
 
 class GenerationEngine:
@@ -258,10 +259,13 @@ class GenerationEngine:
                           room))
 
     def _learn(self, req: _Request, kind: str, r: RoundResult) -> None:
-        """Feeds the round's measured costs and acceptance to the adaptive k."""
+        """Feeds the round's measured costs and acceptance to the adaptive k (the costs only
+        of rounds that drafted on their critical path: a prefetched draft cost nothing
+        there, but only because the previous round's guess held)."""
         k = len(r.drafted)
-        self.costs.setdefault(kind, CostModel()).observe(
-            k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
+        if r.pipeline != "used":
+            self.costs.setdefault(kind, CostModel()).observe(
+                k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
         if req.adaptive is not None:
             req.adaptive.observe(k, r.num_accepted)
 
@@ -283,7 +287,8 @@ class GenerationEngine:
             round_span = self.telemetry.round_span(span, req, k)
             with trace.use_span(round_span, end_on_exit=True):
                 r = await self.rounds.run(h, spec.params, k, kind, req.seed, req.usage.rounds,
-                                          req.deadline)
+                                          req.deadline, req.prefetch)
+                req.prefetch = r.prefetch
                 self._learn(req, kind, r)
                 kept, text, finish = self._accept(req, r.proposed, detok, stop)
                 self._commit_counts(req, r, kept)
@@ -359,11 +364,11 @@ class GenerationEngine:
         """Appends ``kept`` to the handle and records how much of it each replica holds."""
         h = req.handle
         old_len = len(h.tokens)
-        # The verifier holds old + the accepted drafts; the drafter old + the first
-        # (drafter_cached - old_len) drafts. Their caches are valid as far as those match.
+        # The verifier holds old + the accepted drafts; the drafter old + drafter_tail (drafts,
+        # and with pipelining its guess and the next drafts). Valid as far as those match.
         h.verifier_len = old_len + min(r.num_accepted, len(kept))
-        if r.drafter_cached:
-            h.drafter_len = old_len + min(r.drafter_cached - old_len, r.num_accepted, len(kept))
+        if r.drafter_tail is not None:
+            h.drafter_len = old_len + _common_prefix(r.drafter_tail, kept)
         h.tokens.extend(kept)
         req.usage.rounds += 1
         req.usage.draft_tokens += len(r.drafted)
@@ -381,3 +386,11 @@ class GenerationEngine:
         await self._finish(handle, owner)
         return len(handle.tokens)
 
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

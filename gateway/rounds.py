@@ -6,10 +6,19 @@ accepted plus one token of its own. Caches are addressed by deltas: each call
 names the prefix the replica is assumed to hold (length + hash) and sends only
 the rest; a replica that lost the cache asks for a resync and gets the whole
 prefix; a replica that fails is marked down and another one takes over.
+
+Pipelined drafting: while the verifier checks round r's drafts d1..dk, the drafter
+already continues from d1..dk as if all were accepted: its first token is its guess g of
+the verifier's extra token, the next ones are round r+1's drafts. When the verifier
+accepts all k and its extra token is g, round r+1 starts verifying at once, with no draft
+call on its critical path; otherwise the prepared drafts are dropped. Drafts are used
+only when the prefix they were drawn from is exactly the committed one, so they are
+distributed as fresh drafts would be and the output stays lossless.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -34,21 +43,44 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def _trim(draft: DraftResult, k: int) -> DraftResult:
+    """The first k drafts (k may have shrunk since they were prepared)."""
+    if len(draft.token_ids) <= k:
+        return draft
+    return DraftResult(token_ids=draft.token_ids[:k], q_ids=draft.q_ids[:k],
+                       q_probs=draft.q_probs[:k], cached_len=draft.cached_len,
+                       cache_hit=draft.cache_hit, compute_ms=draft.compute_ms,
+                       batch_size=draft.batch_size)
+
+
 def _delta(session_id: str, tokens: list[int], base: int) -> CacheDelta:
     return CacheDelta(session_id=session_id, base_len=base, base_hash=token_hash(tokens[:base]),
                       new_tokens=tuple(tokens[base:]))
 
 
 @dataclass(frozen=True)
+class Prefetch:
+    """Drafts prepared during the previous round's verify (see the module docstring)."""
+
+    base: int  # committed tokens when they were prepared
+    assumed: tuple[int, ...]  # what they assume is committed next: the drafts + the guess
+    draft: DraftResult  # the next round's drafts
+    cached_len: int  # tokens the drafter holds of committed + assumed + drafts
+
+
+@dataclass(frozen=True)
 class RoundResult:
     drafted: tuple[int, ...]
-    drafter_cached: int  # tokens the drafter's cache holds after the call (0: no call)
+    drafter_tail: tuple[int, ...] | None  # what the drafter holds past the old tokens (None:
+    #                                       no drafter call involved this round)
     num_accepted: int
     extra_token: int
-    draft_ms: float  # wall time of the draft call(s), 0 without drafts
+    draft_ms: float  # wall time of the draft call on the round's critical path (0: none)
     verify_ms: float
-    draft_compute_ms: float
+    draft_compute_ms: float  # its model compute (0 when the drafts were prefetched)
     verify_compute_ms: float
+    pipeline: str = ""  # "used", "dropped" or "none" (nothing prepared); "" without drafts
+    prefetch: Prefetch | None = None  # drafts for the next round, if prepared
 
     @property
     def proposed(self) -> list[int]:
@@ -64,27 +96,90 @@ class RoundRunner:
         self.verifiers = verifiers
 
     async def run(self, h: SessionHandle, params: SamplingParams, k: int, kind: str, seed: int,
-                  round_index: int, deadline: Callable[[], float | None]) -> RoundResult:
-        """Drafts up to k tokens with a drafter of ``kind`` (k = 0: none) and verifies them
-        for session ``h``; updates the handle's replica fields (who holds the caches) but
-        not its tokens."""
+                  round_index: int, deadline: Callable[[], float | None],
+                  prefetch: Prefetch | None = None) -> RoundResult:
+        """Drafts up to k tokens with a drafter of ``kind`` (k = 0: none), or takes them
+        from ``prefetch`` when its assumption held, and verifies them for session ``h``;
+        with pipelining on, prepares the next round's drafts meanwhile. Updates the
+        handle's replica fields (who holds the caches) but not its tokens."""
+        old = len(h.tokens)
         start = time.perf_counter()
-        draft = None
+        draft, cached, outcome = None, 0, ""
         if k:
-            draft = await self._draft(h, params, k, kind,
-                                      round_seed(seed, round_index, "draft"), deadline)
+            outcome = "none"
+            if prefetch is not None:
+                outcome = "dropped"
+                if (prefetch.base + len(prefetch.assumed) == old
+                        and tuple(h.tokens[prefetch.base:]) == prefetch.assumed):
+                    outcome = "used"
+                    draft, cached = _trim(prefetch.draft, k), prefetch.cached_len
+            if draft is None:
+                draft = await self._draft(h, params, k, kind,
+                                          round_seed(seed, round_index, "draft"), deadline)
+                cached = draft.cached_len if draft is not None else 0
         mid = time.perf_counter()
         drafted = draft if draft is not None and draft.token_ids else None
-        result = await self._verify(h, params, drafted,
-                                    round_seed(seed, round_index, "verify"), deadline)
-        end = time.perf_counter()
+        verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
+                              deadline)
+        ahead = None
+        if drafted is not None and self.config.pipeline and h.drafter:
+            ahead = asyncio.ensure_future(self._draft_ahead(
+                h, params, drafted, cached, k, round_seed(seed, round_index + 1, "draft"),
+                deadline))
+        try:
+            result = await verify
+        except BaseException:
+            if ahead is not None:
+                ahead.cancel()
+            raise
+        verified = time.perf_counter()
+        next_draft = await ahead if ahead is not None else None
+        fresh = outcome != "used"
+        tail = None
+        if drafted is not None:
+            ext = list(drafted.token_ids)
+            if next_draft is not None:  # it fed the drafts and its guess, then drafted on
+                ext = [*next_draft.assumed, *next_draft.draft.token_ids]
+                cached = next_draft.cached_len
+            tail = tuple(ext[: max(0, cached - old)])
+        elif draft is not None:
+            tail = ()
         return RoundResult(
-            drafted=draft.token_ids if draft else (),
-            drafter_cached=draft.cached_len if draft else 0, num_accepted=result.num_accepted,
-            extra_token=result.extra_token, draft_ms=(mid - start) * 1000 if draft else 0.0,
-            verify_ms=(end - mid) * 1000,
-            draft_compute_ms=draft.compute_ms if draft else 0.0,
-            verify_compute_ms=result.compute_ms)
+            drafted=drafted.token_ids if drafted else (), drafter_tail=tail,
+            num_accepted=result.num_accepted, extra_token=result.extra_token,
+            draft_ms=(mid - start) * 1000 if draft is not None and fresh else 0.0,
+            verify_ms=(verified - mid) * 1000,
+            draft_compute_ms=draft.compute_ms if draft is not None and fresh else 0.0,
+            verify_compute_ms=result.compute_ms, pipeline=outcome, prefetch=next_draft)
+
+    async def _draft_ahead(self, h: SessionHandle, params: SamplingParams, draft: DraftResult,
+                           cached: int, k: int, seed: int, deadline) -> Prefetch | None:
+        """Round r+1's drafts, assuming all of ``draft`` is accepted: one call to the drafter
+        that holds the session, for 1 + k tokens (the guess of the extra token, then k).
+        Any failure just means nothing is prepared: the next round drafts as usual."""
+        replica = self.drafters.replicas.get(h.drafter)
+        if replica is None or replica.info is None or k + 1 > replica.info.max_draft_tokens:
+            return None
+        ext = list(h.tokens) + list(draft.token_ids)
+        base = min(cached, len(ext) - 1)
+        try:
+            result = await clients.draft(replica, DraftCall(
+                cache=_delta(h.session_id, ext, base), num_tokens=k + 1, params=params,
+                seed=seed, max_support=self.config.max_support), self._timeout(deadline))
+        except Exception as exc:  # noqa: BLE001 - optional work: any failure = not prepared
+            log.info("no pipelined draft for session %s: %s", h.session_id, exc)
+            return None
+        if len(result.token_ids) < 2:
+            return None
+        guess = result.token_ids[0]
+        return Prefetch(base=len(h.tokens), assumed=(*draft.token_ids, guess),
+                        draft=DraftResult(token_ids=result.token_ids[1:],
+                                          q_ids=result.q_ids[1:], q_probs=result.q_probs[1:],
+                                          cached_len=result.cached_len,
+                                          cache_hit=result.cache_hit,
+                                          compute_ms=result.compute_ms,
+                                          batch_size=result.batch_size),
+                        cached_len=result.cached_len)
 
     def _timeout(self, deadline: Callable[[], float | None]) -> float:
         remaining = deadline()

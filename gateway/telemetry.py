@@ -67,8 +67,13 @@ class RequestTelemetry:
             "specmesh.round.draft_ms": r.draft_ms,
             "specmesh.round.verify_ms": r.verify_ms,
             "specmesh.round.network_ms": network,
+            "specmesh.round.pipeline": r.pipeline,
         })
         self.metrics.round(len(r.drafted), r.num_accepted, kept, seconds)
+        self.metrics.draft_compute.record(r.draft_compute_ms / 1000.0)
+        self.metrics.verify_compute.record(r.verify_compute_ms / 1000.0)
+        if r.pipeline:
+            self.metrics.pipelined.add(1, {"outcome": r.pipeline})
         now = time.perf_counter()
         if not req.first_token_at:
             req.first_token_at = now

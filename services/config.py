@@ -115,6 +115,7 @@ class ModelServiceConfig:
     max_draft_tokens: int = 16
     threads: int = 0
     max_queue: int = 64
+    max_batch: int = 16  # calls of different sessions run in one forward pass
     kind: str = "model"  # drafters: "model" or "ngram" (prompt lookup, no weights loaded)
     kv_budget_mb: int = 0  # KV cache memory budget; 0 = bounded by max_sessions only
     redis_url: str = ""  # register in this Redis (gateways with --discovery redis find it)
@@ -128,6 +129,7 @@ class ModelServiceConfig:
                  f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         _require(self.max_sessions >= 1, "max sessions must be >= 1")
         _require(1 <= self.max_draft_tokens <= 64, "max draft tokens must be in 1..64")
+        _require(1 <= self.max_batch <= 256, f"max batch must be in 1..256, got {self.max_batch}")
 
 
 
@@ -200,6 +202,7 @@ class GatewayConfig:
     max_inflight: int = 64
     replica_retry_s: float = 2.0
     default_drafter_kind: str = "model"
+    pipeline: bool = True  # draft round r+1 while round r is being verified
     discovery: str = "static"  # or "kubernetes": follow the EndpointSlices of two Services
     namespace: str = "default"
     drafter_service: str = ""

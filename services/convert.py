@@ -56,14 +56,15 @@ def draft_call_from_pb(m: drafter_pb2.DraftRequest) -> DraftCall:
 def draft_result_to_pb(r: DraftResult) -> drafter_pb2.DraftResponse:
     return drafter_pb2.DraftResponse(token_ids=r.token_ids, dists=_dists(r.q_ids, r.q_probs),
                                      cached_len=r.cached_len, cache_hit=r.cache_hit,
-                                     compute_ms=r.compute_ms)
+                                     compute_ms=r.compute_ms, batch_size=r.batch_size)
 
 
 def draft_result_from_pb(m: drafter_pb2.DraftResponse) -> DraftResult:
     return DraftResult(token_ids=tuple(m.token_ids),
                        q_ids=tuple(tuple(d.token_ids) for d in m.dists),
                        q_probs=tuple(tuple(d.probs) for d in m.dists),
-                       cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms)
+                       cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms,
+                       batch_size=max(1, m.batch_size))
 
 
 def verify_call_to_pb(c: VerifyCall) -> verifier_pb2.VerifyRequest:
@@ -83,12 +84,13 @@ def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
 def verify_result_to_pb(r: VerifyResult) -> verifier_pb2.VerifyResponse:
     return verifier_pb2.VerifyResponse(num_accepted=r.num_accepted, extra_token_id=r.extra_token,
                                        cached_len=r.cached_len, cache_hit=r.cache_hit,
-                                       compute_ms=r.compute_ms)
+                                       compute_ms=r.compute_ms, batch_size=r.batch_size)
 
 
 def verify_result_from_pb(m: verifier_pb2.VerifyResponse) -> VerifyResult:
     return VerifyResult(num_accepted=m.num_accepted, extra_token=m.extra_token_id,
-                        cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms)
+                        cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms,
+                       batch_size=max(1, m.batch_size))
 
 
 def meta_to_pb(meta: ModelMeta, kind: str, max_draft_tokens: int) -> common_pb2.ModelInfo:
@@ -105,4 +107,5 @@ def stats_to_pb(s: ReplicaStats, caches, queue_depth: int) -> common_pb2.Replica
         resyncs_requested=caches.resyncs_requested, fed_tokens=s.fed_tokens,
         draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
         evictions=caches.evictions, queue_depth=queue_depth, kv_tokens=caches.total_tokens(),
-        kv_token_budget=caches.max_tokens or 0)
+        kv_token_budget=caches.max_tokens or 0, forward_ms=s.forward_ms,
+        forward_passes=s.forward_passes, batched_calls=s.batched_calls)

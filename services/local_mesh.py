@@ -181,23 +181,29 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
         for proc in started:
             _wait(proc, spec.startup_timeout_s)
             progress(f"{proc.name:<11} {proc.address}")
-        gateway_args = ["gateway", "--host", spec.host, "--port", str(spec.port), "--redis",
-                        mesh.redis_url, "--model", spec.target,
-                        "--verifiers", ",".join(mesh.verifier_addresses)]
-        if mesh.drafter_addresses:
-            gateway_args += ["--drafters", ",".join(mesh.drafter_addresses)]
-        tls_args = _tls_args(spec)
-        proc = _spawn("gateway", _cli(*gateway_args, *tls_args, *spec.extra_gateway_args),
-                      log_dir, dict(spec.env))
-        proc.address = mesh.gateway_address
-        proc.health_address = _health_address(spec, tls_args)
-        procs.append(proc)
-        _wait(proc, spec.startup_timeout_s)
-        progress(f"gateway     {proc.address}")
+        add_gateway(mesh, spec, spec.port, spec.extra_gateway_args, log_dir, "gateway")
+        progress(f"gateway     {mesh.gateway_address}")
     except BaseException:
         mesh.stop()
         raise
     return mesh
+
+
+def add_gateway(mesh: Mesh, spec: MeshSpec, port: int, extra_args: tuple[str, ...],
+                log_dir: Path, name: str) -> Proc:
+    """Starts a gateway on the mesh's Redis and replicas (another one: e.g. with other flags)."""
+    gateway_args = ["gateway", "--host", spec.host, "--port", str(port), "--redis",
+                    mesh.redis_url, "--model", spec.target,
+                    "--verifiers", ",".join(mesh.verifier_addresses)]
+    if mesh.drafter_addresses:
+        gateway_args += ["--drafters", ",".join(mesh.drafter_addresses)]
+    tls_args = _tls_args(spec)
+    proc = _spawn(name, _cli(*gateway_args, *tls_args, *extra_args), log_dir, dict(spec.env))
+    proc.address = f"{spec.host}:{port}"
+    proc.health_address = _health_address(spec, tls_args)
+    mesh.procs.append(proc)
+    _wait(proc, spec.startup_timeout_s)
+    return proc
 
 
 def start_redis(directory: Path, port: int = 0) -> tuple[Proc, str]:

@@ -45,6 +45,7 @@ class DraftResult:
     cached_len: int
     cache_hit: bool
     compute_ms: float
+    batch_size: int = 1  # calls that shared the forward passes
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class VerifyResult:
     cached_len: int
     cache_hit: bool
     compute_ms: float
+    batch_size: int = 1  # calls that shared the forward pass
 
 
 @dataclass
@@ -74,3 +76,6 @@ class ReplicaStats:
     fed_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    forward_ms: float = 0.0  # model compute, summed over forward passes
+    forward_passes: int = 0  # one per (batched) forward pass
+    batched_calls: int = 0  # calls that shared their pass with another call

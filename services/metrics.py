@@ -37,6 +37,18 @@ class GatewayMetrics:
         self.round_duration = meter.create_histogram(
             "specmesh.round.duration", unit="s", description="Wall time of one round",
             explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.draft_compute = meter.create_histogram(
+            "specmesh.round.draft_compute", unit="s",
+            description="Drafter model compute of one round (0 when its draft was pipelined)",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.verify_compute = meter.create_histogram(
+            "specmesh.round.verify_compute", unit="s",
+            description="Verifier model compute of one round (its whole batched pass)",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.pipelined = meter.create_counter(
+            "specmesh.pipeline.drafts", unit="{round}",
+            description="Rounds by what became of the draft prepared during the previous "
+                        "round's verify: used, dropped (guess wrong) or none (not prepared)")
         self.ttft = meter.create_histogram(
             "gen_ai.server.time_to_first_token", unit="s",
             description="Time from request to its first streamed token",

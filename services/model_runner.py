@@ -1,35 +1,39 @@
-"""Runs a causal LM's forward passes on one worker thread, with a bounded queue.
+"""Runs a causal LM's forward passes on one worker thread, micro-batched, with a bounded queue.
 
-Both the drafter and the verifier use it: model calls never block the event
-loop, never run concurrently on one model, and a full queue answers
-RESOURCE_EXHAUSTED at once instead of growing without bound.
+Both the drafter and the verifier use it: model calls never block the event loop, never
+run concurrently on one model, and a full queue answers RESOURCE_EXHAUSTED at once instead
+of growing without bound. Calls that arrive while the model is busy wait in the queue and
+then run together, up to ``max_batch`` of them in one forward pass per step
+(services/batching.py): under load the verifier's pass serves many sessions at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
+from services.batching import StepJob, run_steps
 from services.errors import InvalidArgument, Overloaded
-from services.messages import check_token_ids
+from services.messages import ReplicaStats, check_token_ids
 from services.models import ModelMeta
-
-T = TypeVar("T")
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, meta: ModelMeta, device: torch.device,
-                 max_queue: int) -> None:
+                 max_queue: int, max_batch: int = 16) -> None:
         self.model = model
         self.meta = meta
         self.device = device
+        self.stats = ReplicaStats()  # the engine's counters; forward_* are kept here
         self._max_queue = max_queue
+        self._max_batch = max_batch
         self._pending = 0
+        self._waiting: list[tuple[StepJob, asyncio.Future]] = []
+        self._drainer: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     @property
@@ -41,37 +45,59 @@ class ModelRunner:
 
         return DynamicCache(config=self.model.config)
 
-    async def run(self, fn: Callable[[], T]) -> tuple[T, float]:
-        """Runs ``fn`` on the model thread; returns (result, compute milliseconds)."""
+    async def submit(self, job: StepJob) -> tuple[Any, float, int]:
+        """Runs ``job`` in the next batch; returns (its result, the batch's compute
+        milliseconds, the batch size). Errors of the job are raised here."""
         if self._pending >= self._max_queue:
             raise Overloaded(f"model queue is full ({self._max_queue} calls waiting): retry later")
         self._pending += 1
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, _timed, fn)
+            future = asyncio.get_running_loop().create_future()
+            self._waiting.append((job, future))
+            if self._drainer is None:
+                self._drainer = asyncio.create_task(self._drain())
+            return await future
         finally:
             self._pending -= 1
 
-    @torch.inference_mode()
-    def forward(self, tokens: Sequence[int], kv: Any, start: int, keep: int) -> torch.Tensor:
-        """Appends ``tokens`` at positions start.. to ``kv``; returns the last ``keep`` logits.
-
-        tokens: [m] -> logits [keep, V] float32 on the CPU.
-        """
-        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, m]
-        positions = torch.arange(start, start + len(tokens), device=self.device)[None]  # [1, m]
-        out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=kv,
-                         use_cache=True, logits_to_keep=keep)
-        return out.logits[0, -keep:].float().cpu()  # [keep, V]
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        batch: list[tuple[StepJob, asyncio.Future]] = []
+        try:
+            while self._waiting:
+                batch = self._waiting[: self._max_batch]
+                del self._waiting[: len(batch)]
+                batch = [(job, fut) for job, fut in batch if not fut.done()]  # not cancelled
+                if not batch:
+                    continue
+                outcome = await loop.run_in_executor(
+                    self._executor, run_steps, self.model, [job for job, _ in batch],
+                    self.device, self.new_kv)
+                self.stats.forward_ms += outcome.compute_ms
+                self.stats.forward_passes += outcome.passes
+                if len(batch) > 1:
+                    self.stats.batched_calls += len(batch)
+                for (_, fut), result, error in zip(batch, outcome.results, outcome.errors,
+                                                   strict=True):
+                    if fut.done():
+                        continue
+                    if error is not None:
+                        fut.set_exception(error)
+                    else:
+                        fut.set_result((result, outcome.compute_ms, len(batch)))
+                batch = []
+        except BaseException as exc:  # the model thread is gone (shutdown): fail every waiter
+            for _, fut in batch + self._waiting:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else
+                                      RuntimeError("the model runner stopped"))
+            self._waiting.clear()
+            raise
+        finally:
+            self._drainer = None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _timed(fn: Callable[[], T]) -> tuple[T, float]:
-    start = time.perf_counter()
-    result = fn()
-    return result, (time.perf_counter() - start) * 1000.0
 
 
 def check_delta(meta: ModelMeta, session_id: str, base_len: int, new_tokens: Sequence[int],
@@ -99,12 +125,10 @@ class ModelEngine:
     kind = "model"
 
     def __init__(self, runner: ModelRunner, caches, max_draft_tokens: int) -> None:
-        from services.messages import ReplicaStats
-
         self.runner = runner
         self.caches = caches
         self.max_draft_tokens = max_draft_tokens
-        self.stats = ReplicaStats()
+        self.stats = runner.stats
 
     @property
     def meta(self) -> ModelMeta:

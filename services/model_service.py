@@ -27,7 +27,7 @@ from specmesh.v1 import common_pb2
 def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]:
     model, meta, device = load_for_serving(config.model, config.device, config.dtype,
                                            config.threads)
-    runner = ModelRunner(model, meta, device, config.max_queue)
+    runner = ModelRunner(model, meta, device, config.max_queue, config.max_batch)
     max_tokens = None
     if config.kv_budget_mb:
         per_token = kv_bytes_per_token(model)
@@ -65,7 +65,6 @@ class ModelServiceRpcs:
         span.set_attribute("specmesh.session_id", delta.session_id)
         span.set_attribute("specmesh.base_len", delta.base_len)
         span.set_attribute("specmesh.cache", "hit" if delta.base_len else "prefill")
-        span.set_attribute("specmesh.batch_size", 1)
         m = self.metrics
         m.inflight.add(1)
         outcome = "error"
@@ -80,8 +79,9 @@ class ModelServiceRpcs:
             m.inflight.add(-1)
             m.calls.add(1, {"outcome": outcome})
         span.set_attribute("specmesh.forward_ms", result.compute_ms)
+        span.set_attribute("specmesh.batch_size", result.batch_size)
         m.forward.record(result.compute_ms / 1000.0)
-        m.batch_size.record(1)
+        m.batch_size.record(result.batch_size)
         m.fed_tokens.add(len(delta.new_tokens))
         return result
 

@@ -33,6 +33,9 @@ Threads = Annotated[int, typer.Option("--threads", envvar="SPECMESH_THREADS",
 MaxQueue = Annotated[int, typer.Option("--max-queue", envvar="SPECMESH_MAX_QUEUE",
                                        help="Calls waiting for the model before "
                                             "RESOURCE_EXHAUSTED.")]
+MaxBatch = Annotated[int, typer.Option("--max-batch", envvar="SPECMESH_MAX_BATCH",
+                                       help="Calls of different sessions run in one forward "
+                                            "pass (micro-batching; 1 = off).")]
 LogLevel = Annotated[str, typer.Option("--log-level", envvar="SPECMESH_LOG_LEVEL")]
 LogFormat = Annotated[str, typer.Option("--log-format", envvar="SPECMESH_LOG_FORMAT",
                                         help="json (one object per line, with trace ids) or "
@@ -92,14 +95,15 @@ KvBudget = Annotated[int, typer.Option("--kv-budget-mb", envvar="SPECMESH_KV_BUD
 
 def _model_service(kind: str, server, model, device, dtype, max_sessions, max_draft, threads,
                    max_queue, telemetry, drafter_kind: str = "model", redis: str = "",
-                   advertise: str = "", kv_budget_mb: int = 0) -> None:
+                   advertise: str = "", kv_budget_mb: int = 0, max_batch: int = 16) -> None:
     from services.config import ModelServiceConfig
 
     try:
         config = ModelServiceConfig(server=server, model=model,
                                     device=device, dtype=dtype, max_sessions=max_sessions,
                                     max_draft_tokens=max_draft, threads=threads,
-                                    max_queue=max_queue, kind=drafter_kind, redis_url=redis,
+                                    max_queue=max_queue, max_batch=max_batch,
+                                    kind=drafter_kind, redis_url=redis,
                                     advertise=advertise, kv_budget_mb=kv_budget_mb)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -119,7 +123,8 @@ def drafter(model: Model,
             port: Port = 50061, host: Host = "0.0.0.0", device: Device = "cpu",
             dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
             max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
-            metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
+            max_batch: MaxBatch = 16, metrics_port: MetricsPort = 0,
+            log_format: LogFormat = "json",
             log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "",
             kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "", tls_key: TlsKey = "",
             tls_ca: TlsCa = "", health_port: HealthPort = 0) -> None:
@@ -129,14 +134,15 @@ def drafter(model: Model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("drafter", metrics_port, log_format, log_level), kind, redis,
-                   advertise, kv_budget_mb)
+                   advertise, kv_budget_mb, max_batch)
 
 
 @app.command()
 def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: Device = "auto",
              dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
              max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
-             metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
+             max_batch: MaxBatch = 16, metrics_port: MetricsPort = 0,
+             log_format: LogFormat = "json",
              log_level: LogLevel = "info", redis: Redis = "",
              advertise: Advertise = "", kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "",
              tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0) -> None:
@@ -145,7 +151,7 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("verifier", metrics_port, log_format, log_level), "model", redis,
-                   advertise, kv_budget_mb)
+                   advertise, kv_budget_mb, max_batch)
 
 
 @app.command()
@@ -185,6 +191,10 @@ def gateway(
     default_drafter_kind: Annotated[str, typer.Option(
         envvar="SPECMESH_DEFAULT_DRAFTER_KIND",
         help="Drafter kind for requests that name none: model or ngram.")] = "model",
+    pipeline: Annotated[bool, typer.Option(
+        "--pipeline/--no-pipeline", envvar="SPECMESH_PIPELINE",
+        help="Draft the next round while the verifier checks this one (the drafts are used "
+             "when the drafter's guess of the verifier's token holds).")] = True,
     max_support: Annotated[int, typer.Option(envvar="SPECMESH_MAX_SUPPORT",
                                              help="Largest sparse-q support per position.")] = 32,
     default_max_new_tokens: Annotated[int, typer.Option(
@@ -224,7 +234,7 @@ def gateway(
             drafters=parse_addresses(drafters), verifiers=parse_addresses(verifiers),
             num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
             max_support=max_support,
-            default_drafter_kind=default_drafter_kind, discovery=discovery,
+            default_drafter_kind=default_drafter_kind, pipeline=pipeline, discovery=discovery,
             namespace=namespace, drafter_service=drafter_service,
             verifier_service=verifier_service, drafter_port=drafter_port,
             verifier_port=verifier_port,
@@ -360,6 +370,8 @@ app.command("certs")(security_cli.certs)
 
 
 app.command("load")(loadtest.load)
+
+
 
 
 def main() -> None:

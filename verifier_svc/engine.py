@@ -1,4 +1,5 @@
-"""The verifier: scores a session's pending tokens plus k drafts in ONE forward pass.
+"""The verifier: scores a session's pending tokens plus k drafts in ONE forward pass
+(shared with the calls of other sessions that arrive meanwhile: services/batching.py).
 
 It appends ``new_tokens + drafts`` to the session's target KV cache, applies
 the lossless acceptance rule (services.sampling), crops the cache to the
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from services.batching import Row, StepJob
 from services.errors import InvalidArgument
+from services.kv_cache import SessionCache
 from services.messages import VerifyCall, VerifyResult
 from services.model_runner import ModelEngine, check_delta
 from services.sampling import (
@@ -67,26 +70,47 @@ class VerifierEngine(ModelEngine):
         generator = torch.Generator().manual_seed(call.seed)
 
         with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash) as entry:
-            pending = list(delta.new_tokens)
-
-            def work() -> tuple[int, int]:
-                logits = self.runner.forward(pending + list(call.draft_ids), entry.kv,
-                                             start=delta.base_len, keep=k + 1)  # [k+1, V]
-                entry.tokens.extend(pending)
-                entry.tokens.extend(call.draft_ids)
-                # params and draft were validated above, off the model thread
-                if call.params.greedy:
-                    accepted, extra = accept_greedy(draft.token_ids, logits)
-                else:
-                    accepted, extra = accept_sampled(draft, warp_logits(logits, call.params),
-                                                     generator)
-                entry.crop(delta.base_len + len(pending) + accepted)
-                return accepted, extra
-
-            (accepted, extra), ms = await self.runner.run(work)
-            self.stats.fed_tokens += len(pending)
+            job = _VerifyJob(entry, delta.base_len, list(delta.new_tokens), call, draft,
+                             generator)
+            (accepted, extra), ms, batch = await self.runner.submit(job)
+            self.stats.fed_tokens += len(delta.new_tokens)
             self.stats.draft_tokens += k
             self.stats.accepted_tokens += accepted
             return VerifyResult(num_accepted=accepted, extra_token=extra,
                                 cached_len=len(entry.tokens), cache_hit=delta.base_len > 0,
-                                compute_ms=ms)
+                                compute_ms=ms, batch_size=batch)
+
+
+class _VerifyJob(StepJob):
+    """One pass: the pending tokens and the k drafts, then the acceptance rule on the
+    last k+1 logits (params and draft were validated before, off the model thread)."""
+
+    def __init__(self, entry: SessionCache, base_len: int, pending: list[int],
+                 call: VerifyCall, draft: SparseDraft, generator: torch.Generator) -> None:
+        self.entry, self.base_len, self.pending = entry, base_len, pending
+        self.call, self.draft, self.generator = call, draft, generator
+        self._result: tuple[int, int] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def next_row(self) -> Row:
+        k = len(self.call.draft_ids)
+        return Row(tokens=self.pending + list(self.call.draft_ids), kv=self.entry.kv,
+                   start=self.base_len, keep=k + 1)
+
+    def take(self, logits: torch.Tensor) -> None:  # logits [k+1, V]
+        entry, params = self.entry, self.call.params
+        entry.tokens.extend(self.pending)
+        entry.tokens.extend(self.call.draft_ids)
+        if params.greedy:
+            accepted, extra = accept_greedy(self.draft.token_ids, logits)
+        else:
+            accepted, extra = accept_sampled(self.draft, warp_logits(logits, params),
+                                             self.generator)
+        entry.crop(self.base_len + len(self.pending) + accepted)
+        self._result = (accepted, extra)
+
+    def result(self) -> tuple[int, int]:
+        return self._result

@@ -79,7 +79,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("sessions", "calls", "fresh_prefills", "resyncs_requested", "fed_tokens", "draft_tokens", "accepted_tokens", "evictions", "queue_depth", "kv_tokens", "kv_token_budget")
+    __slots__ = ("sessions", "calls", "fresh_prefills", "resyncs_requested", "fed_tokens", "draft_tokens", "accepted_tokens", "evictions", "queue_depth", "kv_tokens", "kv_token_budget", "forward_ms", "forward_passes", "batched_calls")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     FRESH_PREFILLS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,9 @@ class ReplicaStats(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_CALLS_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     calls: int
     fresh_prefills: int
@@ -102,4 +105,7 @@ class ReplicaStats(_message.Message):
     queue_depth: int
     kv_tokens: int
     kv_token_budget: int
-    def __init__(self, sessions: _Optional[int] = ..., calls: _Optional[int] = ..., fresh_prefills: _Optional[int] = ..., resyncs_requested: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_token_budget: _Optional[int] = ...) -> None: ...
+    forward_ms: float
+    forward_passes: int
+    batched_calls: int
+    def __init__(self, sessions: _Optional[int] = ..., calls: _Optional[int] = ..., fresh_prefills: _Optional[int] = ..., resyncs_requested: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_token_budget: _Optional[int] = ..., forward_ms: _Optional[float] = ..., forward_passes: _Optional[int] = ..., batched_calls: _Optional[int] = ...) -> None: ...

@@ -20,15 +20,17 @@ class DraftRequest(_message.Message):
     def __init__(self, cache: _Optional[_Union[_common_pb2.CacheDelta, _Mapping]] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., max_support: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("token_ids", "dists", "cached_len", "cache_hit", "compute_ms")
+    __slots__ = ("token_ids", "dists", "cached_len", "cache_hit", "compute_ms", "batch_size")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDist]
     cached_len: int
     cache_hit: bool
     compute_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., dists: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    batch_size: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., dists: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...

@@ -20,15 +20,17 @@ class VerifyRequest(_message.Message):
     def __init__(self, cache: _Optional[_Union[_common_pb2.CacheDelta, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "extra_token_id", "cached_len", "cache_hit", "compute_ms")
+    __slots__ = ("num_accepted", "extra_token_id", "cached_len", "cache_hit", "compute_ms", "batch_size")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EXTRA_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     extra_token_id: int
     cached_len: int
     cache_hit: bool
     compute_ms: float
-    def __init__(self, num_accepted: _Optional[int] = ..., extra_token_id: _Optional[int] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    batch_size: int
+    def __init__(self, num_accepted: _Optional[int] = ..., extra_token_id: _Optional[int] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...

@@ -149,6 +149,8 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
 {{- end }}
 - name: SPECMESH_NUM_DRAFT_TOKENS
   value: {{ $c.numDraftTokens | quote }}
+- name: SPECMESH_PIPELINE
+  value: {{ $c.pipeline | quote }}
 - name: SPECMESH_MAX_SUPPORT
   value: {{ $c.maxSupport | quote }}
 - name: SPECMESH_DEFAULT_MAX_NEW_TOKENS
@@ -174,6 +176,8 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.maxDraftTokens | quote }}
 - name: SPECMESH_MAX_QUEUE
   value: {{ $c.maxQueue | quote }}
+- name: SPECMESH_MAX_BATCH
+  value: {{ $c.maxBatch | quote }}
 - name: SPECMESH_THREADS
   value: {{ $c.threads | quote }}
 {{- end }}

@@ -1,0 +1,176 @@
+"""Micro-batching: one forward pass for the calls of several sessions.
+
+Each session keeps its own ``DynamicCache`` (batch 1, ``start`` positions). For a pass
+over B sessions the caches are left-padded to the longest one and stacked, the new
+tokens are right-padded, and a 2-D attention mask hides both paddings:
+
+    row b:  [ 0 … 0 | past_b (L_b) | new_b (m_b) | 0 … 0 ]
+             L_max-L_b               L_max        m_max-m_b
+
+Keys carry their rotary position already, so moving them along the sequence axis changes
+nothing; queries get their true positions through ``position_ids``. Each real query sees
+exactly its own past and the new tokens before it, so a row's logits are those of the
+same call run alone (up to float summation order). After the pass each session's cache
+gets its own new keys and values appended.
+
+A call is a :class:`StepJob`: it feeds tokens, gets their logits, and says what to feed
+next (the verifier: one step; the drafter: k steps). :func:`run_steps` advances a batch of
+jobs together until every one is done; jobs that fail are reported, the others go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Row:
+    tokens: Sequence[int]  # [m] tokens to append
+    kv: Any  # the session's DynamicCache, holding ``start`` positions
+    start: int
+    keep: int  # logits wanted for the last ``keep`` new tokens
+
+
+@torch.inference_mode()
+def forward_one(model, row: Row, device: torch.device) -> torch.Tensor:
+    """One session, no padding: logits [keep, V] float32 on the CPU."""
+    m = len(row.tokens)
+    input_ids = torch.tensor([list(row.tokens)], dtype=torch.long, device=device)  # [1, m]
+    positions = torch.arange(row.start, row.start + m, device=device)[None]  # [1, m]
+    out = model(input_ids=input_ids, position_ids=positions, past_key_values=row.kv,
+                use_cache=True, logits_to_keep=row.keep)
+    return out.logits[0, -row.keep:].float().cpu()  # [keep, V]
+
+
+def _layer_kv(kv, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if layer >= len(kv.layers):
+        return None, None
+    lay = kv.layers[layer]
+    if not lay.is_initialized or lay.keys is None or lay.keys.numel() == 0:
+        return None, None
+    return lay.keys, lay.values  # [1, H, L, D]
+
+
+@torch.inference_mode()
+def forward_rows(model, rows: Sequence[Row], device: torch.device,
+                 new_cache: Callable[[], Any]) -> list[torch.Tensor]:
+    """One forward pass over ``rows`` (B sessions); returns per row logits [keep_b, V].
+
+    Appends each row's tokens to its own cache, as ``forward_one`` would.
+    """
+    if len(rows) == 1:
+        return [forward_one(model, rows[0], device)]
+    B = len(rows)
+    lengths = [r.start for r in rows]
+    sizes = [len(r.tokens) for r in rows]
+    L, M = max(lengths), max(sizes)
+    input_ids = torch.zeros(B, M, dtype=torch.long)  # [B, M] right-padded
+    positions = torch.zeros(B, M, dtype=torch.long)  # [B, M]
+    mask = torch.zeros(B, L + M, dtype=torch.long)  # [B, L+M] 1 = real key
+    for b, r in enumerate(rows):
+        m = sizes[b]
+        input_ids[b, :m] = torch.tensor(list(r.tokens), dtype=torch.long)
+        positions[b] = torch.arange(r.start, r.start + M)  # padded queries: ignored
+        mask[b, L - lengths[b]: L + m] = 1
+
+    batch_kv = new_cache()
+    n_layers = model.config.num_hidden_layers
+    if L:
+        for layer in range(n_layers):
+            held = [_layer_kv(r.kv, layer) for r in rows]
+            ref = next(k for k, _ in held if k is not None)  # [1, H, L_b, D]
+            keys, values = [], []
+            for b, (k, v) in enumerate(held):
+                pad = L - lengths[b]
+                shape = (1, ref.shape[1], pad, ref.shape[3])
+                if k is None:
+                    k, v = ref.new_zeros(shape), ref.new_zeros(shape)
+                elif pad:
+                    k = torch.cat([k.new_zeros(shape), k], dim=2)
+                    v = torch.cat([v.new_zeros(shape), v], dim=2)
+                keys.append(k)
+                values.append(v)
+            batch_kv.update(torch.cat(keys), torch.cat(values), layer)  # [B, H, L, D]
+
+    out = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                position_ids=positions.to(device), past_key_values=batch_kv, use_cache=True,
+                logits_to_keep=M)
+    logits = out.logits.float().cpu()  # [B, M, V]
+    result = []
+    for b, r in enumerate(rows):
+        m = sizes[b]
+        for layer in range(n_layers):
+            lay = batch_kv.layers[layer]
+            r.kv.update(lay.keys[b:b + 1, :, L:L + m], lay.values[b:b + 1, :, L:L + m], layer)
+        result.append(logits[b, m - r.keep: m])  # [keep, V]
+    return result
+
+
+class StepJob:
+    """One call's work on the model thread, in steps. Subclasses set what to feed
+    (``next_row``) and use the logits (``take``); ``done`` ends the job."""
+
+    def next_row(self) -> Row:
+        raise NotImplementedError
+
+    def take(self, logits: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+
+@dataclass
+class BatchOutcome:
+    """What one batch cost: passes run, their summed compute, and per job result or error."""
+
+    results: list[Any] = field(default_factory=list)
+    errors: list[BaseException | None] = field(default_factory=list)
+    passes: int = 0
+    compute_ms: float = 0.0
+
+
+def run_steps(model, jobs: Sequence[StepJob], device: torch.device,
+              new_cache: Callable[[], Any]) -> BatchOutcome:
+    """Advances ``jobs`` together, one forward pass per step, until all are done."""
+    errors: list[BaseException | None] = [None] * len(jobs)
+    outcome = BatchOutcome()
+    start = time.perf_counter()
+    while True:
+        active = [i for i, j in enumerate(jobs) if errors[i] is None and not jobs[i].done]
+        if not active:
+            break
+        rows = []
+        for i in list(active):
+            try:
+                rows.append(jobs[i].next_row())
+            except Exception as exc:  # noqa: BLE001 - a bad job must not fail the others
+                errors[i] = exc
+                active.remove(i)
+        if not active:
+            break
+        try:
+            logits = forward_rows(model, rows, device, new_cache)
+        except Exception as exc:  # noqa: BLE001 - the pass failed: every job in it did
+            for i in active:
+                errors[i] = exc
+            break
+        outcome.passes += 1
+        for i, lg in zip(active, logits, strict=True):
+            try:
+                jobs[i].take(lg)
+            except Exception as exc:  # noqa: BLE001
+                errors[i] = exc
+    outcome.compute_ms = (time.perf_counter() - start) * 1000.0
+    outcome.errors = errors
+    outcome.results = [None if e is not None else j.result() for j, e in zip(jobs, errors, strict=True)]
+    return outcome

@@ -1,0 +1,160 @@
+"""Micro-batching: calls of several sessions in one forward pass give what each gives alone.
+
+References come from the HF model itself: a plain forward over the whole sequence, without
+any cache, for logits; HF greedy generate for the verifier's answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from services.batching import Row, forward_rows
+from services.hashing import token_hash
+from services.kv_cache import SessionCaches
+from services.messages import CacheDelta, VerifyCall
+from services.model_runner import ModelRunner
+from services.models import describe
+from services.sampling import SamplingParams
+from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from tests.conftest import hf_greedy
+from verifier_svc.engine import VerifierEngine
+
+
+def _new_kv(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _tokens(seed: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def _full_logits(model, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V]: the model on the whole sequence, no cache."""
+    return model(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def test_forward_rows_matches_uncached_forward_of_each_session(target_model):
+    """Four sessions with caches of 0, 5, 17 and 30 tokens and 1 to 6 new tokens each, run as
+    one padded pass, twice in a row (the second pass reads the caches the first appended)."""
+    model, _ = target_model
+    vocab = model.config.vocab_size
+    past_lens, new_lens = [0, 5, 17, 30], [3, 1, 6, 2]
+    seqs = [_tokens(i, p, vocab) for i, p in enumerate(past_lens)]
+    kvs = []
+    for seq in seqs:  # prefill each session alone
+        kv = _new_kv(model)
+        if seq:
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([seq]), past_key_values=kv, use_cache=True)
+        kvs.append(kv)
+    for step in range(2):
+        news = [_tokens(100 + 10 * step + i, n, vocab) for i, n in enumerate(new_lens)]
+        rows = [Row(tokens=new, kv=kv, start=len(seq), keep=len(new))
+                for seq, new, kv in zip(seqs, news, kvs, strict=True)]
+        logits = forward_rows(model, rows, torch.device("cpu"), lambda: _new_kv(model))
+        for b, (seq, new) in enumerate(zip(seqs, news, strict=True)):
+            want = _full_logits(model, seq + new)[len(seq):]  # [m, V]
+            assert logits[b].shape == want.shape
+            torch.testing.assert_close(logits[b], want, atol=1e-4, rtol=1e-4)
+            assert torch.equal(logits[b].argmax(-1), want.argmax(-1))
+            seq.extend(new)
+            assert kvs[b].get_seq_length() == len(seq), "the cache holds exactly its tokens"
+        new_lens = [1, 2, 1, 4]
+
+
+def _engine(target_model, tiny_pair, max_batch: int) -> VerifierEngine:
+    model, tokenizer = target_model
+    meta = describe(tiny_pair[0], model, tokenizer)
+    runner = ModelRunner(model, meta, torch.device("cpu"), max_queue=64, max_batch=max_batch)
+    caches = SessionCaches(64, runner.new_kv)
+    return VerifierEngine(runner, caches, max_draft_tokens=16)
+
+
+def _calls(vocab: int, params: SamplingParams, n: int) -> list[VerifyCall]:
+    calls = []
+    for i in range(n):
+        prefix = _tokens(1000 + i, 4 + 3 * i, vocab)
+        drafts = _tokens(2000 + i, 1 + i % 5, vocab)
+        k = len(drafts)
+        q_ids = tuple((d, (d + 1) % vocab) for d in drafts) if not params.greedy else ()
+        q_probs = tuple((0.7, 0.3) for _ in drafts) if not params.greedy else ()
+        calls.append(VerifyCall(
+            cache=CacheDelta(session_id=f"s{i}", base_len=0, base_hash=token_hash([]),
+                             new_tokens=tuple(prefix)),
+            draft_ids=tuple(drafts), q_ids=q_ids, q_probs=q_probs, params=params,
+            seed=7 * i + 1))
+        assert k >= 1
+    return calls
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=50)],
+                         ids=["greedy", "sampled"])
+def test_a_batch_answers_what_the_calls_answer_one_by_one(target_model, tiny_pair, params):
+    """Greedy: the same accepted counts and tokens. Sampling: the same seeded draws, hence
+    the same distribution (the batch changes nothing but float summation order)."""
+    vocab = target_model[0].config.vocab_size
+    calls = _calls(vocab, params, 12)
+
+    async def one_by_one():
+        engine = _engine(target_model, tiny_pair, max_batch=1)
+        out = [await engine.verify(c) for c in calls]
+        return out, engine.stats
+
+    async def together():
+        engine = _engine(target_model, tiny_pair, max_batch=16)
+        out = await asyncio.gather(*(engine.verify(c) for c in calls))
+        return out, engine.stats
+
+    alone, alone_stats = asyncio.run(one_by_one())
+    batched, stats = asyncio.run(together())
+    assert alone_stats.batched_calls == 0 and alone_stats.forward_passes == len(calls)
+    assert stats.forward_passes < len(calls), "the concurrent calls shared forward passes"
+    assert stats.batched_calls >= len(calls) - 1
+    assert max(r.batch_size for r in batched) > 1
+    for a, b in zip(alone, batched, strict=True):
+        assert (a.num_accepted, a.extra_token, a.cached_len) == \
+            (b.num_accepted, b.extra_token, b.cached_len)
+
+
+def test_concurrent_verify_rpcs_share_a_pass_and_match_hf(mesh, target_model):
+    """Real verifier process: 6 sessions' Verify calls sent at once. Each draft is the HF
+    greedy continuation up to a planted mistake at position j: the verifier must accept
+    exactly j and answer HF's token there, batched or not."""
+    model, tokenizer = target_model
+    vocab = model.config.vocab_size
+    prompts = [_tokens(3000 + i, 5 + 4 * i, vocab) for i in range(6)]
+    expected = []
+    requests = []
+    for i, prompt in enumerate(prompts):
+        cont = hf_greedy(model, prompt, 6)
+        j = i % 5
+        drafts = cont[:j] + [(cont[j] + 1) % vocab] + cont[j + 1:5]
+        expected.append((j, cont[j]))
+        requests.append((prompt, drafts))
+    with grpc.insecure_channel(mesh.verifier_addresses[0]) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        before = stub.GetStats(common_pb2.StatsRequest(), timeout=10).batched_calls
+        for _attempt in range(5):
+            futures = [stub.Verify.future(verifier_pb2.VerifyRequest(
+                cache=common_pb2.CacheDelta(session_id=f"batch-{uuid.uuid4().hex}", base_len=0,
+                                            base_hash=token_hash([]), new_tokens=prompt),
+                draft_token_ids=drafts, warp=common_pb2.WarpParams()), timeout=30)
+                for prompt, drafts in requests]
+            answers = [f.result() for f in futures]
+            for answer, (j, token) in zip(answers, expected, strict=True):
+                assert (answer.num_accepted, answer.extra_token_id) == (j, token)
+            if max(a.batch_size for a in answers) > 1:
+                break
+        after = stub.GetStats(common_pb2.StatsRequest(), timeout=10)
+    assert max(a.batch_size for a in answers) > 1, "no two calls ever shared a pass"
+    assert after.batched_calls > before
+    assert after.forward_passes > 0 and after.forward_ms > 0
