@@ -371,7 +371,9 @@ app.command("certs")(security_cli.certs)
 
 app.command("load")(loadtest.load)
 
+from specmesh import bench  # noqa: E402 - `specmesh bench`, in its own module like load
 
+app.command("bench")(bench.bench)
 
 
 def main() -> None:

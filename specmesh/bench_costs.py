@@ -1,0 +1,220 @@
+"""Cost figures of `specmesh bench`: the speedup bound of speculative decoding, how close the
+measured speedup comes to it, and the per-round orchestration overhead.
+
+Sources, snapshotted before and after every (mode, concurrency) cell and differenced:
+
+* the drafters' and verifiers' ``GetStats`` (common.proto ``ReplicaStats``): ``forward_ms``,
+  ``forward_passes``, ``batched_calls``, ``draft_tokens``, ...;
+* the gateway's Prometheus endpoint: ``specmesh_round_duration_seconds``,
+  ``specmesh_round_draft_compute_seconds``, ``specmesh_round_verify_compute_seconds``
+  (histograms: ``_sum``/``_count``), ``specmesh_rounds_total`` and
+  ``specmesh_pipeline_drafts_total{outcome="used"|"dropped"|"none"}``.
+
+A figure whose inputs are missing or zero (a service that does not record it yet, a remote mesh
+without addresses) is None, shown as "n/a".
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+STAT_FIELDS = ("calls", "fresh_prefills", "fed_tokens", "draft_tokens", "accepted_tokens",
+               "forward_ms", "forward_passes", "batched_calls")
+GATEWAY_SERIES = {  # our key: (Prometheus sample name, required labels)
+    "round_s": ("specmesh_round_duration_seconds_sum", {}),
+    "round_count": ("specmesh_round_duration_seconds_count", {}),
+    "draft_compute_s": ("specmesh_round_draft_compute_seconds_sum", {}),
+    "verify_compute_s": ("specmesh_round_verify_compute_seconds_sum", {}),
+    "rounds": ("specmesh_rounds_total", {}),
+    "pipeline_used": ("specmesh_pipeline_drafts_total", {"outcome": "used"}),
+    "pipeline_dropped": ("specmesh_pipeline_drafts_total", {"outcome": "dropped"}),
+    "pipeline_none": ("specmesh_pipeline_drafts_total", {"outcome": "none"}),
+}
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """num / den, or None when either is missing or den is 0."""
+    if num is None or not den:
+        return None
+    return num / den
+
+
+def expected_tokens_per_round(alpha: float, k: int) -> float:
+    """E(α, k) = (1 − α^(k+1)) / (1 − α): expected tokens one round yields when each of the
+    k draft tokens is accepted with probability α independently, until the first rejection,
+    plus the target's own token (Leviathan et al. 2023, eq. 1); k + 1 when α = 1."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def speedup_bound(alpha: float, k: int, c: float, c_v: float) -> float:
+    """E(α, k) / (k·c + c_v): the speedup over target-only decoding when a round costs k draft
+    steps of c target steps each plus one verify pass of c_v target steps, and nothing else
+    (Leviathan et al. 2023, Theorem 3.8, with the verify pass's cost c_v measured instead of
+    assumed to be 1)."""
+    return expected_tokens_per_round(alpha, k) / (k * c + c_v)
+
+
+def efficiency(observed_speedup: float | None, bound: float | None) -> float | None:
+    """observed speedup / bound: 1 means the serving path adds nothing to the model compute."""
+    return ratio(observed_speedup, bound)
+
+
+def overhead_per_round(round_s: float | None, draft_s: float | None, verify_s: float | None,
+                       rounds: float | None) -> tuple[float | None, float | None]:
+    """(ms per round, fraction of round time) of a round's wall time that is neither drafter nor
+    verifier model compute: gRPC, serialization, Python, Redis, queueing. Inputs are sums over
+    the same rounds (seconds) and the round count."""
+    if None in (round_s, draft_s, verify_s) or not rounds or not round_s:
+        return None, None
+    rest = round_s - draft_s - verify_s
+    return rest / rounds * 1000.0, rest / round_s
+
+
+# --- snapshots of the services --------------------------------------------------------------
+
+
+def _stub(address: str, kind: str):
+    import grpc
+
+    from specmesh.v1 import drafter_pb2_grpc, verifier_pb2_grpc
+
+    channel = grpc.insecure_channel(address)
+    cls = verifier_pb2_grpc.VerifierStub if kind == "verifier" else drafter_pb2_grpc.DrafterStub
+    return channel, cls(channel)
+
+
+def model_info(address: str, kind: str, timeout: float = 10.0):
+    """The replica's ModelInfo (kind: "verifier" or "drafter")."""
+    from specmesh.v1 import common_pb2
+
+    channel, stub = _stub(address, kind)
+    with channel:
+        return stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
+
+
+def replica_stats(address: str, kind: str, timeout: float = 10.0) -> dict:
+    from specmesh.v1 import common_pb2
+
+    channel, stub = _stub(address, kind)
+    with channel:
+        s = stub.GetStats(common_pb2.StatsRequest(), timeout=timeout)
+    return {f: getattr(s, f) for f in STAT_FIELDS}
+
+
+def parse_gateway_metrics(text: str) -> dict:
+    """Our GATEWAY_SERIES keys from a Prometheus exposition; None for a series not exported
+    (yet: histograms and counters appear once first recorded)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float | None] = dict.fromkeys(GATEWAY_SERIES)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for key, (name, labels) in GATEWAY_SERIES.items():
+                if sample.name == name and all(sample.labels.get(k) == v
+                                               for k, v in labels.items()):
+                    out[key] = (out[key] or 0.0) + sample.value
+    return out
+
+
+class ServiceProbe:
+    """Reads every counter the cost figures need; ``snapshot()`` before and after a cell,
+    ``delta()`` of the two. Addresses it cannot reach give None, not an error."""
+
+    def __init__(self, verifiers: list[str], drafters: list[str], metrics_url: str = "") -> None:
+        self.verifiers = list(verifiers)
+        self.metrics_url = metrics_url
+        self.drafters: dict[str, list[str]] = {"model": [], "ngram": []}
+        for address in drafters:
+            try:
+                kind = model_info(address, "drafter").kind or "model"
+            except Exception:  # unreachable: its figures are n/a
+                continue
+            self.drafters.setdefault(kind, []).append(address)
+
+    def _sum(self, addresses: list[str], kind: str) -> dict | None:
+        total = None
+        for address in addresses:
+            try:
+                s = replica_stats(address, kind)
+            except Exception:
+                return None
+            total = s if total is None else {f: total[f] + s[f] for f in STAT_FIELDS}
+        return total
+
+    def snapshot(self) -> dict:
+        gateway = None
+        if self.metrics_url:
+            try:
+                with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
+                    gateway = parse_gateway_metrics(reply.read().decode())
+            except OSError:
+                gateway = None
+        return {"verifier": self._sum(self.verifiers, "verifier"),
+                "drafter_model": self._sum(self.drafters["model"], "drafter"),
+                "drafter_ngram": self._sum(self.drafters["ngram"], "drafter"),
+                "gateway": gateway}
+
+    @staticmethod
+    def delta(before: dict, after: dict) -> dict:
+        out = {}
+        for part, b in before.items():
+            a = after.get(part)
+            if a is None or b is None:
+                out[part] = None
+            else:
+                # a gateway series absent before and present after was first recorded in
+                # between: it was 0 before
+                out[part] = {f: (None if a[f] is None else a[f] - (b[f] or 0)) for f in a}
+        return out
+
+
+def _get(d: dict | None, *path):
+    for key in path:
+        if d is None:
+            return None
+        d = d.get(key)
+    return d
+
+
+def cost_figures(target_row: dict, spec_row: dict, k: int, drafter: str) -> dict:
+    """The cost figures of one speculative row against the target-only row of the same
+    concurrency (both with their ``services`` deltas and ``speedup``/``alpha`` filled in).
+
+    t = verifier forward_ms / forward_passes in the target-only row (one target step);
+    c = (drafter forward_ms / drafted tokens) / t, 0 for the prompt-lookup drafter (no model);
+    c_v = (verifier forward_ms / forward_passes in the speculative row) / t;
+    bound = E(α, k) / (k·c + c_v); efficiency = observed speedup / bound."""
+    ts, ss = target_row.get("services"), spec_row.get("services")
+    t = ratio(_get(ts, "verifier", "forward_ms"), _get(ts, "verifier", "forward_passes"))
+    if drafter == "ngram":
+        c = 0.0 if _get(ss, "drafter_ngram", "draft_tokens") else None
+    else:
+        per_token = ratio(_get(ss, "drafter_model", "forward_ms"),
+                          _get(ss, "drafter_model", "draft_tokens"))
+        c = ratio(per_token, t)
+    verify_ms = ratio(_get(ss, "verifier", "forward_ms"), _get(ss, "verifier", "forward_passes"))
+    c_v = ratio(verify_ms, t)
+    alpha = spec_row.get("alpha")
+    bound = expected = None
+    if alpha is not None:
+        expected = expected_tokens_per_round(alpha, k)
+        if c is not None and c_v is not None:
+            bound = speedup_bound(alpha, k, c, c_v)
+    g = _get(ss, "gateway")
+    over_ms, over_frac = overhead_per_round(_get(g, "round_s"), _get(g, "draft_compute_s"),
+                                            _get(g, "verify_compute_s"), _get(g, "round_count"))
+    pipeline = [_get(g, key) for key in ("pipeline_used", "pipeline_dropped", "pipeline_none")]
+    used = (pipeline[0] or 0.0) if any(x is not None for x in pipeline) else None
+    return {
+        "mode": spec_row["mode"], "label": spec_row["label"],
+        "concurrency": spec_row["concurrency"], "k": k, "alpha": alpha,
+        "target_step_ms": t, "c": c, "c_v": c_v, "verify_pass_ms": verify_ms,
+        "expected_tokens_per_round": expected,
+        "observed_tokens_per_round": spec_row.get("tokens_per_round"),
+        "bound": bound, "speedup": spec_row.get("speedup"),
+        "efficiency": efficiency(spec_row.get("speedup"), bound),
+        "overhead_ms_per_round": over_ms, "overhead_fraction": over_frac,
+        "pipeline_used_fraction": ratio(used, sum(x or 0 for x in pipeline)),
+    }

@@ -1,0 +1,187 @@
+"""`specmesh bench`: the cost formulas against numbers worked out by hand, the figures of a
+cell, the shipped prompt set, and one end-to-end run on the tiny pair (its own local mesh)
+whose report must be complete and lossless. No timing thresholds."""
+
+from __future__ import annotations
+
+import json
+import platform
+
+import pytest
+from typer.testing import CliRunner
+
+from specmesh.bench_costs import (
+    cost_figures,
+    efficiency,
+    expected_tokens_per_round,
+    overhead_per_round,
+    parse_gateway_metrics,
+    ratio,
+    speedup_bound,
+)
+from specmesh.bench_prompts import PROMPTS_PATH, first_prompt, load_prompts, make_prompt_set
+from specmesh.bench_report import summarize
+from specmesh.cli import app
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_expected_tokens_per_round_by_hand():
+    # α = 0.5, k = 3: (1 - 0.5^4) / (1 - 0.5) = 0.9375 / 0.5 = 1.875 (= 1 + .5 + .25 + .125)
+    assert expected_tokens_per_round(0.5, 3) == pytest.approx(1.875)
+    # α = 0.8, k = 3: (1 - 0.4096) / 0.2 = 2.952
+    assert expected_tokens_per_round(0.8, 3) == pytest.approx(2.952)
+    assert expected_tokens_per_round(0.0, 3) == 1.0  # every draft rejected: the target's token
+    assert expected_tokens_per_round(1.0, 3) == 4.0  # every draft accepted, plus the bonus
+    assert expected_tokens_per_round(1.0, 7) == 8.0
+
+
+def test_speedup_bound_and_efficiency_by_hand():
+    # E = 1.875; k·c + c_v = 3 × 0.1 + 1.2 = 1.5; bound = 1.25
+    assert speedup_bound(0.5, 3, 0.1, 1.2) == pytest.approx(1.25)
+    # Leviathan et al.'s form (c_v = 1): α = 0.8, k = 3, c = 0.05: 2.952 / 1.15 = 2.566...
+    assert speedup_bound(0.8, 3, 0.05, 1.0) == pytest.approx(2.952 / 1.15)
+    assert efficiency(1.0, 1.25) == pytest.approx(0.8)
+    assert efficiency(None, 1.25) is None and efficiency(1.0, None) is None
+
+
+def test_overhead_per_round_by_hand():
+    # 100 rounds took 2.0 s, of which 0.5 s drafting and 1.2 s verifying: 0.3 s rest
+    ms, frac = overhead_per_round(2.0, 0.5, 1.2, 100)
+    assert ms == pytest.approx(3.0) and frac == pytest.approx(0.15)
+    assert overhead_per_round(2.0, None, 1.2, 100) == (None, None)
+    assert overhead_per_round(2.0, 0.5, 1.2, 0) == (None, None)
+
+
+def test_ratio_is_none_for_missing_or_zero():
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(3.0, 0) is None and ratio(None, 2.0) is None and ratio(3.0, None) is None
+
+
+def _stats(forward_ms=0.0, passes=0, drafted=0):
+    return {"forward_ms": forward_ms, "forward_passes": passes, "draft_tokens": drafted}
+
+
+def test_cost_figures_by_hand():
+    target = {"services": {"verifier": _stats(100.0, 50)}}  # t = 2 ms
+    spec = {"mode": "model", "label": "m", "concurrency": 1, "alpha": 0.5, "speedup": 0.5,
+            "tokens_per_round": 1.8,
+            "services": {"verifier": _stats(120.0, 40),  # 3 ms per pass: c_v = 1.5
+                         "drafter_model": _stats(30.0, 60, drafted=60),  # 0.5 ms: c = 0.25
+                         "gateway": {"round_s": 2.0, "round_count": 100,
+                                     "draft_compute_s": 0.5, "verify_compute_s": 1.2,
+                                     "pipeline_used": 30.0, "pipeline_dropped": None,
+                                     "pipeline_none": 10.0}}}
+    x = cost_figures(target, spec, 3, "model")
+    assert x["target_step_ms"] == pytest.approx(2.0)
+    assert x["c"] == pytest.approx(0.25) and x["c_v"] == pytest.approx(1.5)
+    assert x["expected_tokens_per_round"] == pytest.approx(1.875)
+    assert x["bound"] == pytest.approx(1.875 / 2.25)  # 3 × 0.25 + 1.5 = 2.25
+    assert x["efficiency"] == pytest.approx(0.5 / (1.875 / 2.25))  # = 0.6
+    assert x["overhead_ms_per_round"] == pytest.approx(3.0)
+    assert x["overhead_fraction"] == pytest.approx(0.15)
+    assert x["pipeline_used_fraction"] == pytest.approx(0.75)  # 30 of 40
+
+
+def test_cost_figures_are_none_when_the_services_report_zeros():
+    target = {"services": {"verifier": _stats()}}
+    spec = {"mode": "model", "label": "m", "concurrency": 1, "alpha": 0.5, "speedup": 0.9,
+            "services": {"verifier": _stats(), "drafter_model": _stats(drafted=10),
+                         "gateway": None}}
+    x = cost_figures(target, spec, 3, "model")
+    assert x["c"] is None and x["c_v"] is None and x["bound"] is None
+    assert x["efficiency"] is None and x["overhead_fraction"] is None
+    assert x["pipeline_used_fraction"] is None
+    assert x["expected_tokens_per_round"] == pytest.approx(1.875)
+
+
+def test_parse_gateway_metrics():
+    text = "\n".join([
+        "# TYPE specmesh_rounds_total counter",
+        'specmesh_rounds_total{otel_scope_name="specmesh"} 40.0',
+        "# TYPE specmesh_round_duration_seconds histogram",
+        'specmesh_round_duration_seconds_bucket{le="+Inf"} 40.0',
+        "specmesh_round_duration_seconds_count 40.0",
+        "specmesh_round_duration_seconds_sum 0.5",
+        "# TYPE specmesh_pipeline_drafts_total counter",
+        'specmesh_pipeline_drafts_total{outcome="used"} 7.0',
+        'specmesh_pipeline_drafts_total{outcome="dropped"} 2.0', ""])
+    m = parse_gateway_metrics(text)
+    assert m["rounds"] == 40.0 and m["round_count"] == 40.0 and m["round_s"] == 0.5
+    assert m["pipeline_used"] == 7.0 and m["pipeline_dropped"] == 2.0
+    assert m["pipeline_none"] is None and m["verify_compute_s"] is None  # not exported
+
+
+def test_summarize_by_hand():
+    def rec(tokens, rounds, drafts, accepted, ttft, latency, error=""):
+        return {"prompt_index": 0, "token_ids": [], "completion_tokens": tokens,
+                "rounds": rounds, "draft_tokens": drafts, "accepted_draft_tokens": accepted,
+                "ttft_s": ttft, "latency_s": latency, "error": error}
+
+    s = summarize([rec(10, 5, 6, 3, 0.1, 1.0), rec(20, 10, 6, 3, 0.3, 4.0),
+                   rec(0, 0, 0, 0, None, 0.5, "UNAVAILABLE: down")], wall_s=5.0)
+    assert s["requests"] == 3 and s["errors"] == 1
+    assert s["tokens_per_s"] == pytest.approx(6.0)  # 30 tokens / 5 s
+    assert s["per_request_tokens_per_s"] == pytest.approx(7.5)  # (10/1 + 20/4) / 2
+    assert s["ttft_p50_ms"] == pytest.approx(200.0)
+    assert s["tokens_per_round"] == pytest.approx(2.0)  # 30 / 15
+    assert s["alpha"] == pytest.approx(0.5)  # 6 / 12
+
+
+def test_the_shipped_prompt_set():
+    prompts = load_prompts()
+    assert [p["kind"] for p in prompts].count("code") == 12
+    assert [p["kind"] for p in prompts].count("prose") == 4
+    assert len({p["prompt"] for p in prompts}) == 16
+    assert [p["kind"] for p in load_prompts(limit=3)] == ["code", "code", "prose"]
+    shipped = json.loads(PROMPTS_PATH.read_text())
+    if shipped["python"] == platform.python_version():  # the same stdlib: made the same way
+        assert make_prompt_set() == shipped
+
+
+def test_a_code_prompt_is_a_def_line_and_its_docstring():
+    source = ("import os\n\nclass A:\n    @staticmethod\n    def f(x):\n"
+              '        """Return x, unchanged, whatever it is: a number or a string."""\n'
+              "        return x\n")
+    prompt, line = first_prompt(source)
+    assert line == 5
+    assert prompt == ('def f(x):\n    """Return x, unchanged, whatever it is: a number or a '
+                      'string."""\n    ')
+    assert first_prompt("def g():\n    return 1\n") is None  # no docstring
+
+
+def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(app, ["bench", "--target", target, "--drafter", draft,
+                                      "--concurrency", "1,2", "--prompts", "3",
+                                      "--max-new-tokens", "16", "--out", str(out)])
+    report = json.loads((out / "bench.json").read_text())
+    assert result.exit_code == 0, (result.output, [(r["label"], r["concurrency"],
+                                                    r["error_details"]) for r in report["rows"]])
+    rows = {(r["mode"], r["concurrency"]): r for r in report["rows"]}
+    gateway_modes = ("target", "model", "adaptive", "ngram")
+    assert set(rows) == {(m, c) for m in gateway_modes for c in (1, 2)} | {("hf", 1)}
+    for (mode, c), r in rows.items():
+        assert r["errors"] == 0, r["error_details"]
+        assert r["requests"] == 3  # every prompt once per level
+        assert r["outputs_match"] is True, (mode, c, r["mismatched_prompts"])  # lossless
+        assert r["tokens_per_round"] >= 1.0
+        base = rows[("target", c)]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
+    for c in (1, 2):
+        assert rows[("target", c)]["tokens_per_round"] == 1.0
+        assert rows[("target", c)]["speedup"] == 1.0
+    assert len(report["reference_outputs"]) == 3
+    assert {x["mode"] for x in report["costs"]} == {"model", "ngram"}
+    assert [t["key"] for t in report["targets"]] == ["speedup", "vs_hf", "efficiency",
+                                                      "overhead", "scaling"]
+    assert report["machine"]["cores"] >= 1 and report["machine"]["torch"]
+    assert report["models"]["target"]["params"] > report["models"]["draft"]["params"] > 0
+
+    md = (out / "bench.md").read_text()
+    assert "| mode | concurrency | tokens/s |" in md
+    for r in report["rows"]:
+        assert r["label"] in md
+    for name in ("tokens_per_s.png", "speedup.png"):
+        assert (out / name).read_bytes()[:8] == PNG
