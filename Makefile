@@ -30,12 +30,18 @@ test: install
 proto: install
 	$(BIN)/python specmesh/protogen.py
 
-# Train the demo target on the stdlib, distill its drafter, measure the pair (hours on a CPU;
+# Train the demo target on the stdlib, distill its drafter, measure the pair and render the
+# model card, with the settings of the committed pair (~1.5 h + 30 min on a 2-core CPU;
 # see docs/models.md).
 demo-models: install
-	$(BIN)/python -m training.demo --out models/demo-target --save-dtype float16 --resume $(ARGS)
-	$(BIN)/specmesh distill --target models/demo-target --out models/demo-drafter --resume --save-dtype float16
+	$(BIN)/python -m training.demo --out models/demo-target --save-dtype float16 --resume \
+		--hidden 384 --layers 6 --heads 6 --kv-heads 3 --intermediate 1056 --steps 800 \
+		--warmup 50 --threads 1 $(ARGS)
+	$(BIN)/specmesh distill --target models/demo-target --out models/demo-drafter --resume \
+		--layers 2 --hidden 128 --steps 800 --seq-len 256 --batch-size 8 --threads 2 \
+		--save-dtype float16
 	$(BIN)/python -m training.evaluate --target models/demo-target --draft models/demo-drafter --threads 2 --json models/demo-eval.json
+	$(BIN)/python -m training.card --models models
 
 clean-venv:
 	rm -rf $(VENV)

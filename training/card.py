@@ -89,7 +89,9 @@ Measured by `python -m training.evaluate --target models/demo-target --draft mod
 | KL(target ‖ draft) | {ev["kl"]:.3f} nats/token |
 | target per-token forward (KV cache, context {ev["latency_context"]}) | {ev["target_ms_per_token"]:.2f} ms |
 | drafter per-token forward | {ev["draft_ms_per_token"]:.2f} ms |
-| drafter / target time (c) | {ev["latency_ratio"]:.3f} |
+| drafter / target time (c) | {ev["latency_ratio"]:.3f} ({"meets" if ev["latency_ratio"] <= 0.125 else "misses"} the 1/8 = 0.125 goal) |
+
+{_latency_note(ev)}
 
 ## Weights these figures belong to
 
@@ -102,6 +104,19 @@ Measured by `python -m training.evaluate --target models/demo-target --draft mod
 `make demo-models` (see docs/models.md for the flags used and the time it takes), then
 `python -m training.card --models models`.
 """
+
+
+def _latency_note(ev: dict) -> str:
+    """Why c is what it is: on a small CPU model the per-token time is mostly fixed per-forward
+    overhead (Python, kernel launches), not arithmetic, so it does not shrink with the size."""
+    if ev["latency_ratio"] <= 0.125:
+        return ""
+    return (f"The drafter has {ev['draft_params'] / 1e6:.1f}M parameters against the "
+            f"target's {ev['target_params'] / 1e6:.1f}M, yet costs "
+            f"{ev['latency_ratio']:.2f} of its time per token: at these sizes a KV-cached "
+            "single-token forward on this CPU is dominated by per-layer fixed costs (HF module "
+            "calls, small-matrix kernels), not by arithmetic. A 1/8 ratio needs a target whose "
+            "per-token time is mostly arithmetic, i.e. a much larger one (docs/performance.md).")
 
 
 def main(argv: list[str] | None = None) -> int:
