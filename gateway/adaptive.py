@@ -2,19 +2,32 @@
 
 With per-token acceptance rate α, a round that drafts k tokens yields
 E(k) = (1 − α^(k+1)) / (1 − α) tokens on average (Leviathan et al. 2023, eq. 1) and
-costs T(k) = k·t_draft + t_verify(k) + rtt(k): drafting k tokens, one verifier forward
-over the pending token plus k drafts, and the network round trips (two calls, or one
-without drafts). The best k maximises E(k) / T(k); k = 0 (no speculation) wins when
+costs T(k): the wall time from one round's start to the next (drafting k tokens, one
+verifier forward over the pending token plus k drafts, the network round trips, the
+gateway's commit and streaming, and whatever pipelining hides or contention adds). The
+best k maximises E(k) / T(k); k = 0 (no speculation) wins when
 drafts are rarely accepted or drafting costs as much as verifying.
 
-All costs are measured, not assumed: the gateway keeps running estimates (EWMA) of the
-draft time per token, the verify time with and without drafts, and the network time;
-each request keeps its own α.
+All costs are measured, not assumed. T(k) is a running average (EWMA) of the observed
+round cycle at each k used; between two measured k it is interpolated linearly, beyond
+them extrapolated with the per-token costs of a component model (draft time per token,
+verify time with and without drafts, network time per call), itself fitted from the
+replicas' reported compute times. Only rounds whose caches were warm count (a prefill or
+a resync would pass for a slow round). Because the cycle is measured end to end, the
+gateway's own work per round, pipelined drafting and a verifier slowed by a large batch
+all enter the choice.
+
+α is estimated from counts, not per round: a round that drafted k and accepted a stops
+at its first rejection, so it contributes a successes and one failure (none when a = k);
+the maximum-likelihood per-token rate is Σ successes / (Σ successes + Σ failures). Each
+request keeps its own counts, decayed so that recent rounds weigh most, starting from the
+gateway-wide counts for that drafter kind (a prior worth a few rounds), so that one
+unlucky round does not switch speculation off.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -29,6 +42,25 @@ def _ewma(old: float | None, new: float, weight: float) -> float:
 
 
 @dataclass
+class AcceptanceCounts:
+    """Decayed counts of accepted drafts and first rejections; α = s / (s + f)."""
+
+    successes: float = 0.0
+    failures: float = 0.0
+    decay: float = 0.9  # per round
+
+    def observe(self, k: int, accepted: int) -> None:
+        if k == 0:
+            return
+        self.successes = self.decay * self.successes + accepted
+        self.failures = self.decay * self.failures + (0 if accepted == k else 1)
+
+    def alpha(self, default: float) -> float:
+        total = self.successes + self.failures
+        return self.successes / total if total > 0 else default
+
+
+@dataclass
 class CostModel:
     """Running estimates of what a round costs, in milliseconds (shared by a gateway's
     requests: they run on the same replicas)."""
@@ -37,7 +69,9 @@ class CostModel:
     verify_ms_base: float | None = None  # verify with no drafts
     verify_ms_per_draft: float | None = None  # extra verify time per draft token
     rtt_ms: float | None = None  # network + RPC overhead of one call
+    cycle_ms: dict[int, float] = field(default_factory=dict)  # observed round cycle per k
     weight: float = 0.1
+    acceptance: AcceptanceCounts | None = None  # every request's rounds, for new requests
 
     def observe(self, k: int, draft_ms: float, verify_ms: float, draft_compute_ms: float,
                 verify_compute_ms: float) -> None:
@@ -53,16 +87,43 @@ class CostModel:
             extra = max(0.0, verify_compute_ms - self.verify_ms_base) / k
             self.verify_ms_per_draft = _ewma(self.verify_ms_per_draft, extra, self.weight)
 
+    def observe_cycle(self, k: int, ms: float) -> None:
+        """The wall time from the start of a round that drafted k to the next round's start."""
+        self.cycle_ms[k] = _ewma(self.cycle_ms.get(k), ms, self.weight)
+
     @property
     def known(self) -> bool:
-        return None not in (self.draft_ms_per_token, self.verify_ms_base,
-                            self.verify_ms_per_draft, self.rtt_ms)
+        parts = None not in (self.draft_ms_per_token, self.verify_ms_base,
+                             self.verify_ms_per_draft, self.rtt_ms)
+        return parts or (0 in self.cycle_ms and any(k > 0 for k in self.cycle_ms))
 
-    def round_ms(self, k: int) -> float:
+    def _component_ms(self, k: int) -> float:
         if k == 0:
             return self.verify_ms_base + self.rtt_ms
         return (k * self.draft_ms_per_token + self.verify_ms_base
                 + k * self.verify_ms_per_draft + 2 * self.rtt_ms)
+
+    def _per_draft_ms(self) -> float:
+        if self.draft_ms_per_token is None or self.verify_ms_per_draft is None:
+            return 0.0
+        return self.draft_ms_per_token + self.verify_ms_per_draft
+
+    def round_ms(self, k: int) -> float:
+        seen = self.cycle_ms
+        if k in seen:
+            return seen[k]
+        lower = max((j for j in seen if j < k), default=None)
+        upper = min((j for j in seen if j > k), default=None)
+        if lower is not None and upper is not None:
+            w = (k - lower) / (upper - lower)
+            return (1 - w) * seen[lower] + w * seen[upper]
+        if lower is not None and lower > 0 or upper is not None:
+            near = lower if lower is not None else upper
+            return max(1e-3, seen[near] + (k - near) * self._per_draft_ms())
+        if lower == 0 and self.draft_ms_per_token is not None and None not in (
+                self.verify_ms_base, self.verify_ms_per_draft, self.rtt_ms):
+            return seen[0] + self._component_ms(k) - self._component_ms(0)
+        return self._component_ms(k)
 
 
 def best_k(alpha: float, costs: CostModel, k_max: int) -> int:
@@ -77,10 +138,28 @@ class AdaptiveK:
 
     costs: CostModel
     k_max: int
-    alpha: float = 0.6  # prior until the request has drafted
-    weight: float = 0.3
-    probe_every: int = 8  # while k = 0 wins, draft 1 token every this many rounds
+    prior_alpha: float = 0.6  # before anything was drafted with this kind
+    prior_rounds: float = 4.0  # how many rounds' worth the gateway-wide α counts as
+    decay: float = 0.9
+    probe_every: int = 8  # while k = 0 wins, draft 1 token every this many rounds; while
+    #                       k > 0 wins, try k ± 1 (alternately) every this many rounds
     _since_draft: int = 0
+    _rounds: int = 0
+    _counts: AcceptanceCounts | None = None
+
+    def __post_init__(self) -> None:
+        if self.costs.acceptance is None:
+            self.costs.acceptance = AcceptanceCounts(decay=0.98)
+        shared = self.costs.acceptance.alpha(self.prior_alpha)
+        # A prior of prior_rounds rounds at the shared α, as if each had accepted α/(1-α)
+        # drafts before one rejection: s/(s+f) = α.
+        self._counts = AcceptanceCounts(successes=self.prior_rounds * shared,
+                                        failures=self.prior_rounds * (1 - shared),
+                                        decay=self.decay)
+
+    @property
+    def alpha(self) -> float:
+        return min(0.99, self._counts.alpha(self.prior_alpha))
 
     def next_k(self) -> int:
         if self.costs.verify_ms_base is None:
@@ -91,14 +170,15 @@ class AdaptiveK:
             k = best_k(self.alpha, self.costs, self.k_max)
             if k == 0 and self._since_draft + 1 >= self.probe_every:
                 k = 1  # keep α fresh: acceptance may have changed
+            elif k > 0 and self._rounds % self.probe_every == self.probe_every - 1:
+                # keep the neighbours' measured costs fresh
+                step = 1 if (self._rounds // self.probe_every) % 2 else -1
+                k = min(self.k_max, max(1, k + step))
+        self._rounds += 1
         self._since_draft = 0 if k else self._since_draft + 1
         return k
 
     def observe(self, k: int, accepted: int) -> None:
         """Acceptance of one round: accepted of k drafts (stops at the first rejection)."""
-        if k == 0:
-            return
-        # MLE of a per-token rate from a truncated run: accepted / (accepted + rejections).
-        rejected = 0 if accepted == k else 1
-        sample = accepted / (accepted + rejected) if accepted + rejected else self.alpha
-        self.alpha = min(0.99, max(0.0, _ewma(self.alpha, sample, self.weight)))
+        self._counts.observe(k, accepted)
+        self.costs.acceptance.observe(k, accepted)

@@ -90,6 +90,7 @@ class _Request:
     adaptive: AdaptiveK | None = None  # None: a fixed k
     pending: int = 0  # the last tokens of handle.tokens not yet in Redis (it was unreachable)
     prefetch: Prefetch | None = None  # drafts prepared for the next round (pipelining)
+    last_round: tuple[float, RoundResult] | None = None  # its start time and result
 
 
 class GenerationEngine:
@@ -260,14 +261,28 @@ class GenerationEngine:
 
     def _learn(self, req: _Request, kind: str, r: RoundResult) -> None:
         """Feeds the round's measured costs and acceptance to the adaptive k (the costs only
-        of rounds that drafted on their critical path: a prefetched draft cost nothing
-        there, but only because the previous round's guess held)."""
+        of rounds with warm caches that drafted on their critical path: a prefetched draft
+        cost nothing there, but only because the previous round's guess held)."""
         k = len(r.drafted)
-        if r.pipeline != "used":
+        if r.pipeline != "used" and r.warm:
             self.costs.setdefault(kind, CostModel()).observe(
                 k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
         if req.adaptive is not None:
             req.adaptive.observe(k, r.num_accepted)
+            log.debug("session %s: k=%d accepted=%d pipeline=%s alpha=%.2f costs=%s",
+                      req.handle.session_id, k, r.num_accepted, r.pipeline or "-",
+                      req.adaptive.alpha, self.costs.get(kind))
+
+    def _learn_cycle(self, req: _Request, kind: str, now: float) -> None:
+        """The previous round's whole cycle (its calls, the gateway's commit and streaming,
+        what pipelining hid), measured from its start to this round's: what the adaptive k
+        weighs against tokens per round."""
+        if req.last_round is None:
+            return
+        started, r = req.last_round
+        if r.warm:
+            self.costs.setdefault(kind, CostModel()).observe_cycle(
+                len(r.drafted), (now - started) * 1000.0)
 
     async def _stream(self, req: _Request, span: trace.Span) -> AsyncIterator[Chunk]:
         spec, h = req.spec, req.handle
@@ -282,14 +297,16 @@ class GenerationEngine:
                 yield Chunk(text=stop.flush(), token_ids=[], session_id=h.session_id,
                             finish=finish, usage=req.usage, offset=len(h.tokens))
                 break
-            k = self._choose_k(req, kind)
             start = time.perf_counter()
+            self._learn_cycle(req, kind, start)
+            k = self._choose_k(req, kind)
             round_span = self.telemetry.round_span(span, req, k)
             with trace.use_span(round_span, end_on_exit=True):
                 r = await self.rounds.run(h, spec.params, k, kind, req.seed, req.usage.rounds,
                                           req.deadline, req.prefetch)
                 req.prefetch = r.prefetch
                 self._learn(req, kind, r)
+                req.last_round = (start, r)
                 kept, text, finish = self._accept(req, r.proposed, detok, stop)
                 self._commit_counts(req, r, kept)
                 await self._save(req, len(kept), final=finish is not None)

@@ -80,6 +80,7 @@ class RoundResult:
     draft_compute_ms: float  # its model compute (0 when the drafts were prefetched)
     verify_compute_ms: float
     pipeline: str = ""  # "used", "dropped" or "none" (nothing prepared); "" without drafts
+    warm: bool = True  # both calls found their caches (no prefill or resync in the timings)
     prefetch: Prefetch | None = None  # drafts for the next round, if prepared
 
     @property
@@ -150,7 +151,8 @@ class RoundRunner:
             draft_ms=(mid - start) * 1000 if draft is not None and fresh else 0.0,
             verify_ms=(verified - mid) * 1000,
             draft_compute_ms=draft.compute_ms if draft is not None and fresh else 0.0,
-            verify_compute_ms=result.compute_ms, pipeline=outcome, prefetch=next_draft)
+            verify_compute_ms=result.compute_ms, pipeline=outcome, prefetch=next_draft,
+            warm=result.cache_hit and (draft is None or not fresh or draft.cache_hit))
 
     async def _draft_ahead(self, h: SessionHandle, params: SamplingParams, draft: DraftResult,
                            cached: int, k: int, seed: int, deadline) -> Prefetch | None:

@@ -67,7 +67,52 @@ def test_controller_measures_then_tracks_acceptance():
     for _ in range(30):  # drafts always accepted
         ctl.observe(8, 8)
     assert ctl.alpha > 0.9 and ctl.next_k() >= 6
-    for _ in range(30):  # drafts always rejected at once
-        ctl.observe(ctl.next_k() or 1, 0)
+    for _ in range(60):  # then drafts always rejected at once (the 8-token successes of the
+        ctl.observe(ctl.next_k() or 1, 0)  # good phase take a while to fade)
     ks = [ctl.next_k() for _ in range(16)]
     assert ks.count(0) >= 12 and 1 in ks  # stops speculating, but keeps probing
+
+
+def test_alpha_is_the_pooled_rate_and_one_bad_round_does_not_stop_speculation():
+    """Rounds that drafted 3 and accepted 3, 3, 1, 2 contain 9 successes and 2 first
+    rejections: the per-token MLE is 9/11, however the rounds are ordered."""
+    model = costs(draft=3.0, base=12.0, per_draft=0.7, rtt=2.0)
+    ctl = AdaptiveK(model, k_max=8, prior_rounds=0.0, decay=1.0)
+    for accepted in (3, 3, 1, 2):
+        ctl.observe(3, accepted)
+    assert ctl.alpha == pytest.approx(9 / 11)
+    rng = random.Random(1)
+    ctl = AdaptiveK(model, k_max=8)
+    for _ in range(40):  # steady state at a true per-token α of 0.75
+        k = ctl.next_k() or 1
+        accepted = 0
+        while accepted < k and rng.random() < 0.75:
+            accepted += 1
+        ctl.observe(k, accepted)
+    ctl.observe(3, 0)  # an unlucky round
+    assert ctl.alpha > 0.55 and ctl.next_k() >= 2
+
+
+def test_a_new_request_starts_from_the_gateway_wide_acceptance():
+    model = costs()
+    first = AdaptiveK(model, k_max=8)
+    for _ in range(50):
+        first.observe(4, 0)  # this drafter is useless here
+    second = AdaptiveK(model, k_max=8)
+    assert second.alpha < 0.2 < 0.6 == second.prior_alpha
+
+
+def test_measured_round_cycles_decide_and_are_interpolated():
+    """Cycle times observed at k = 0 and k = 4 (round start to next round start) override the
+    component model, which here says k = 0 wins; in between they are interpolated."""
+    model = costs(draft=2.6, base=9.5, per_draft=3.8, rtt=2.9)
+    assert best_k(0.7, model, k_max=8) == 0  # 1/12.4 ms beats E(k)/T(k) for every k > 0
+    for _ in range(30):
+        model.observe_cycle(0, 19.0)  # what target-only decoding really costs per round
+        model.observe_cycle(4, 31.0)
+    assert model.round_ms(0) == pytest.approx(19.0)
+    assert model.round_ms(2) == pytest.approx(25.0)  # halfway
+    assert model.round_ms(6) == pytest.approx(31.0 + 2 * (2.6 + 3.8))  # beyond: components
+    k = best_k(0.7, model, k_max=8)
+    assert k >= 2
+    assert expected_tokens(0.7, k) / model.round_ms(k) > 1 / 19.0
