@@ -48,7 +48,9 @@ def test_ngram_drafter_through_the_mesh_is_lossless_and_drafts(mesh, target_mode
     after = _ngram_stats(mesh)
     assert list(reply.token_ids) == hf_greedy(model, tokenizer(prompt)["input_ids"], 40)
     assert reply.usage.draft_tokens > 0
-    assert after.draft_tokens - before.draft_tokens == reply.usage.draft_tokens
+    # Every verified draft came from the n-gram drafter; with pipelining it also drafted
+    # ahead for rounds whose guess did not hold, so it may have drafted more.
+    assert after.draft_tokens - before.draft_tokens >= reply.usage.draft_tokens
     assert after.calls > before.calls
 
 

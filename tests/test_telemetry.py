@@ -64,8 +64,10 @@ def traced_mesh(tiny_pair, redis_url, receiver, tmp_path_factory):
     env = (("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}"),
            ("OTEL_EXPORTER_OTLP_INSECURE", "true"), ("OTEL_BSP_SCHEDULE_DELAY", "100"),
            ("OTEL_METRIC_EXPORT_INTERVAL", "60000"))
+    # --no-pipeline: the exact per-call accounting below counts one draft call per round;
+    # pipelined drafting (tests/test_pipeline.py) also drafts ahead.
     m = launch(tiny_pair, redis_url, tmp_path_factory.mktemp("traced-logs"), env=env,
-               extra_gateway_args=("--metrics-port", str(ports["gateway"])),
+               extra_gateway_args=("--metrics-port", str(ports["gateway"]), "--no-pipeline"),
                extra_drafter_args=("--metrics-port", str(ports["drafter"])),
                extra_verifier_args=("--metrics-port", str(ports["verifier"])))
     yield m, ports
