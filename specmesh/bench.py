@@ -83,7 +83,7 @@ def stream_one(client, prompt_index: int, prompt: str, mode: Mode, opts: BenchOp
                             disable_speculation=mode.disable, drafter=mode.drafter)
     rec = {"prompt_index": prompt_index, "token_ids": [], "completion_tokens": 0, "rounds": 0,
            "draft_tokens": 0, "accepted_draft_tokens": 0, "ttft_s": None, "latency_s": 0.0,
-           "error": ""}
+           "error": "", "chunks": []}
     final = None
     start = time.perf_counter()
     try:
@@ -92,6 +92,8 @@ def stream_one(client, prompt_index: int, prompt: str, mode: Mode, opts: BenchOp
                 if rec["ttft_s"] is None:
                     rec["ttft_s"] = time.perf_counter() - start
                 rec["token_ids"].extend(chunk.token_ids)
+                # one chunk per round: (tokens, was it the last) for the per-token α
+                rec["chunks"].append((len(chunk.token_ids), bool(chunk.finish_reason)))
             if chunk.finish_reason:
                 final = chunk
     except grpc.RpcError as err:
@@ -166,8 +168,11 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
             records, wall = run_level(address, mode, texts, c, opts, advance)
             services = probe.delta(before, probe.snapshot())
             outputs[(mode.key, c)] = records
+            alpha = (bench_report.per_token_alpha(records, mode.k, opts.max_new_tokens)
+                     if mode.k and not mode.disable else None)
             rows.append({"mode": mode.key, "label": mode.label, "concurrency": c,
-                         **bench_report.summarize(records, wall), "services": services})
+                         **bench_report.summarize(records, wall), "alpha": alpha,
+                         "services": services})
         hf = next((m for m in modes if m.key == "hf"), None)
         if level == 0 and hf is not None and hf_pair is not None:
             from specmesh.bench_hf import run_assisted
@@ -178,7 +183,8 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
                 threads=opts.threads, device=opts.device, seed=opts.seed, progress=advance)
             outputs[("hf", 1)] = records
             rows.append({"mode": "hf", "label": hf.label, "concurrency": 1,
-                         **bench_report.summarize(records, wall), "services": None,
+                         **bench_report.summarize(records, wall), "alpha": None,
+                         "services": None,
                          "hf_forward": forward})
     bench_report.compare(rows, outputs)
     target_1 = next((r for r in rows if r["mode"] == "target" and r["concurrency"] == 1), None)

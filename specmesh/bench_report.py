@@ -25,11 +25,36 @@ TARGETS = (  # (key, what, comparison, threshold): the "done when" figures of is
 )
 
 
+def per_token_alpha(records: list[dict], k: int, max_new_tokens: int) -> float | None:
+    """The per-token acceptance rate α of Leviathan et al. from the rounds of fixed-k
+    requests: a round drafting k' = min(k, tokens left − 1) that yields n tokens accepted
+    n − 1 drafts and, when n − 1 < k', rejected the next one; the maximum-likelihood α is
+    Σ accepted / (Σ accepted + Σ rejections). A request's last round is left out (EOS or the
+    budget may have cut it). (Σ accepted / Σ drafted, the ``acceptance`` column, counts the
+    drafts after a rejection as failures too and so understates α.)"""
+    accepted = rejected = 0
+    if k <= 0:
+        return None
+    for rec in records:
+        if rec["error"]:
+            continue
+        done = 0
+        for n, last in rec.get("chunks", []):
+            k_round = min(k, max_new_tokens - done - 1)
+            done += n
+            if last or k_round <= 0:
+                continue
+            accepted += n - 1
+            rejected += 1 if n - 1 < k_round else 0
+    return ratio(accepted, accepted + rejected)
+
+
 def summarize(records: list[dict], wall_s: float) -> dict:
     """The figures of one cell from its request records (errored requests count nowhere but in
     ``errors``): aggregate tokens/s = completion tokens of all requests / wall time of the
     cell; per-request tokens/s = mean of completion tokens / latency; TTFT p50; tokens per
-    round = Σ completion tokens / Σ rounds; α = Σ accepted draft tokens / Σ draft tokens."""
+    round = Σ completion tokens / Σ rounds; acceptance = Σ accepted draft tokens / Σ draft
+    tokens (the per-token α is ``per_token_alpha``, filled in by the caller for fixed k)."""
     ok = [r for r in records if not r["error"]]
     tokens = sum(r["completion_tokens"] for r in ok)
     rounds = sum(r["rounds"] for r in ok)
@@ -45,7 +70,7 @@ def summarize(records: list[dict], wall_s: float) -> dict:
         "per_request_tokens_per_s": statistics.fmean(per_request) if per_request else None,
         "ttft_p50_ms": ttft["p50"] if ttft else None,
         "tokens_per_round": ratio(tokens, rounds),
-        "alpha": ratio(sum(r["accepted_draft_tokens"] for r in ok), drafts),
+        "acceptance": ratio(sum(r["accepted_draft_tokens"] for r in ok), drafts),
     }
 
 
@@ -103,14 +128,16 @@ def fmt(value, spec: str = ".2f", suffix: str = "") -> str:
 
 ROW_COLUMNS = (("mode", None), ("concurrency", "d"), ("tokens/s", ".1f"),
                ("per-request tokens/s", ".1f"), ("speedup", ".2f"), ("tokens/round", ".2f"),
-               ("α", ".3f"), ("TTFT p50 (ms)", ".1f"), ("outputs match", None),
+               ("acceptance", ".3f"), ("α", ".3f"), ("TTFT p50 (ms)", ".1f"),
+               ("outputs match", None),
                ("errors", "d"))
 
 
 def row_cells(r: dict) -> list[str]:
     return [r["label"], str(r["concurrency"]), fmt(r["tokens_per_s"], ".1f"),
             fmt(r["per_request_tokens_per_s"], ".1f"), fmt(r["speedup"], ".2f", "x"),
-            fmt(r["tokens_per_round"]), fmt(r["alpha"], ".3f"), fmt(r["ttft_p50_ms"], ".1f"),
+            fmt(r["tokens_per_round"]), fmt(r["acceptance"], ".3f"), fmt(r.get("alpha"), ".3f"),
+            fmt(r["ttft_p50_ms"], ".1f"),
             fmt(r["outputs_match"]), str(r["errors"])]
 
 
@@ -148,7 +175,9 @@ def markdown(report: dict) -> str:
     lines += [f"- {note}" for note in report["notes"]] + [""]
     lines += ["## Costs (concurrency 1)", "",
               "t = verifier ms per forward pass, target-only; c = drafter ms per drafted token / t; "
-              "c_v = verifier ms per pass when speculating / t; bound = E(α,k) / (k·c + c_v), "
+              "c_v = verifier ms per pass when speculating / t; α = per-token acceptance rate "
+              "(maximum likelihood from the rounds: accepted / (accepted + first rejections)); "
+              "bound = E(α,k) / (k·c + c_v), "
               "E(α,k) = (1 − α^(k+1)) / (1 − α); efficiency = speedup / bound; overhead = round "
               "time − draft compute − verify compute.", ""]
     lines += _md_table(COST_COLUMNS, [cost_cells(x) for x in report["costs"]]) + [""]

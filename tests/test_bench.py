@@ -20,7 +20,7 @@ from specmesh.bench_costs import (
     speedup_bound,
 )
 from specmesh.bench_prompts import PROMPTS_PATH, first_prompt, load_prompts, make_prompt_set
-from specmesh.bench_report import summarize
+from specmesh.bench_report import per_token_alpha, summarize
 from specmesh.cli import app
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -125,7 +125,18 @@ def test_summarize_by_hand():
     assert s["per_request_tokens_per_s"] == pytest.approx(7.5)  # (10/1 + 20/4) / 2
     assert s["ttft_p50_ms"] == pytest.approx(200.0)
     assert s["tokens_per_round"] == pytest.approx(2.0)  # 30 / 15
-    assert s["alpha"] == pytest.approx(0.5)  # 6 / 12
+    assert s["acceptance"] == pytest.approx(0.5)  # 6 / 12
+
+
+def test_per_token_alpha_by_hand():
+    """k = 3, budget 9 tokens: rounds of 4 (all 3 accepted), 2 (1 accepted, then a rejection),
+    1 (a rejection at once), then with 2 tokens left k' = min(3, 9 − 7 − 1) = 1 and 1 token
+    (a rejection), then the last round (left out). Accepted 3 + 1 + 0 + 0 = 4, rejections 3:
+    α = 4/7. A failed request counts for nothing; k = 0 has no α."""
+    rec = {"error": "", "chunks": [(4, False), (2, False), (1, False), (1, False), (1, True)]}
+    bad = {"error": "UNAVAILABLE", "chunks": [(1, False)] * 5}
+    assert per_token_alpha([rec, bad], k=3, max_new_tokens=9) == pytest.approx(4 / 7)
+    assert per_token_alpha([rec], k=0, max_new_tokens=9) is None
 
 
 def test_the_shipped_prompt_set():
