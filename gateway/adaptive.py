@@ -126,6 +126,12 @@ class CostModel:
         return self._component_ms(k)
 
 
+def load_level(inflight: int) -> int:
+    """Requests in flight on a gateway, in buckets of doubling size: 1, 2–3, 4–7, 8–15, ...
+    Round costs are learned per bucket (a batched, busy verifier makes drafts dearer)."""
+    return max(1, inflight).bit_length() - 1
+
+
 def best_k(alpha: float, costs: CostModel, k_max: int) -> int:
     """The k in 0..k_max with the most expected tokens per millisecond."""
     return max(range(k_max + 1),

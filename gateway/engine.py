@@ -22,7 +22,7 @@ from opentelemetry import metrics as metrics_api
 from opentelemetry import trace
 
 from gateway import clients
-from gateway.adaptive import AdaptiveK, CostModel
+from gateway.adaptive import AcceptanceCounts, AdaptiveK, CostModel, load_level
 from gateway.clients import ReplicaFailed
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.replicas import ReplicaPool
@@ -109,7 +109,8 @@ class GenerationEngine:
         self.metrics = GatewayMetrics(meter, lambda: self._inflight)
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
-        self.costs: dict[str, CostModel] = {}  # per drafter kind
+        self.costs: dict[tuple[str, int], CostModel] = {}  # per drafter kind and load level
+        self.acceptance: dict[str, AcceptanceCounts] = {}  # per drafter kind
         self._inflight = 0
 
     # ----- request lifecycle -------------------------------------------------------------
@@ -252,8 +253,8 @@ class GenerationEngine:
             k = min(4, self.config.max_adaptive_k)
         if not k:
             if req.adaptive is None:
-                req.adaptive = AdaptiveK(self.costs.setdefault(kind, CostModel()),
-                                         self.config.max_adaptive_k)
+                req.adaptive = AdaptiveK(self._costs(kind), self.config.max_adaptive_k)
+            req.adaptive.costs = self._costs(kind)  # the load may have changed
             k = req.adaptive.next_k()
         room = self.limits.max_context - len(req.handle.tokens) - 1
         return max(0, min(k, self.limits.max_draft_tokens, spec.max_new_tokens - req.generated - 1,
@@ -265,13 +266,23 @@ class GenerationEngine:
         cost nothing there, but only because the previous round's guess held)."""
         k = len(r.drafted)
         if r.pipeline != "used" and r.warm:
-            self.costs.setdefault(kind, CostModel()).observe(
+            self._costs(kind).observe(
                 k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
         if req.adaptive is not None:
             req.adaptive.observe(k, r.num_accepted)
             log.debug("session %s: k=%d accepted=%d pipeline=%s alpha=%.2f costs=%s",
                       req.handle.session_id, k, r.num_accepted, r.pipeline or "-",
-                      req.adaptive.alpha, self.costs.get(kind))
+                      req.adaptive.alpha, self._costs(kind))
+
+    def _costs(self, kind: str) -> CostModel:
+        """The cost model of ``kind`` at the gateway's current load: round cycles measured
+        with 8 requests in flight say little about a lone request's, and the reverse."""
+        key = (kind, load_level(self._inflight))
+        model = self.costs.get(key)
+        if model is None:
+            acceptance = self.acceptance.setdefault(kind, AcceptanceCounts(decay=0.98))
+            model = self.costs[key] = CostModel(acceptance=acceptance)
+        return model
 
     def _learn_cycle(self, req: _Request, kind: str, now: float) -> None:
         """The previous round's whole cycle (its calls, the gateway's commit and streaming,
@@ -281,7 +292,7 @@ class GenerationEngine:
             return
         started, r = req.last_round
         if r.warm:
-            self.costs.setdefault(kind, CostModel()).observe_cycle(
+            self._costs(kind).observe_cycle(
                 len(r.drafted), (now - started) * 1000.0)
 
     async def _stream(self, req: _Request, span: trace.Span) -> AsyncIterator[Chunk]:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.adaptive import AdaptiveK, CostModel, best_k, expected_tokens
+from gateway.adaptive import AdaptiveK, CostModel, best_k, expected_tokens, load_level
 
 
 def costs(draft=1.0, base=10.0, per_draft=0.5, rtt=0.5) -> CostModel:
@@ -116,3 +116,7 @@ def test_measured_round_cycles_decide_and_are_interpolated():
     k = best_k(0.7, model, k_max=8)
     assert k >= 2
     assert expected_tokens(0.7, k) / model.round_ms(k) > 1 / 19.0
+
+
+def test_costs_are_kept_per_load_level():
+    assert [load_level(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16)] == [0, 0, 1, 1, 2, 2, 3, 3, 4]
