@@ -9,11 +9,12 @@ best k maximises E(k) / T(k); k = 0 (no speculation) wins when
 drafts are rarely accepted or drafting costs as much as verifying.
 
 All costs are measured, not assumed. T(k) is a running average (EWMA) of the observed
-round cycle at each k used; between two measured k it is interpolated linearly, beyond
-them extrapolated with the per-token costs of a component model (draft time per token,
-verify time with and without drafts, network time per call), itself fitted from the
-replicas' reported compute times. Only rounds whose caches were warm count (a prefill or
-a resync would pass for a slow round). Because the cycle is measured end to end, the
+round cycle at each k used; between two measured k it is interpolated along the shape of
+a component model (linearly until that is known), beyond them extrapolated with its
+per-token costs. The component model (draft time per token, verify time with and without
+drafts, network time per call) is fitted from the replicas' reported compute times.
+Only rounds whose caches were warm count (a prefill or a resync would pass for a slow
+round). Because the cycle is measured end to end, the
 gateway's own work per round, pipelined drafting and a verifier slowed by a large batch
 all enter the choice.
 
@@ -93,9 +94,12 @@ class CostModel:
 
     @property
     def known(self) -> bool:
-        parts = None not in (self.draft_ms_per_token, self.verify_ms_base,
-                             self.verify_ms_per_draft, self.rtt_ms)
-        return parts or (0 in self.cycle_ms and any(k > 0 for k in self.cycle_ms))
+        return self._components_known() or (
+            0 in self.cycle_ms and any(k > 0 for k in self.cycle_ms))
+
+    def _components_known(self) -> bool:
+        return None not in (self.draft_ms_per_token, self.verify_ms_base,
+                            self.verify_ms_per_draft, self.rtt_ms)
 
     def _component_ms(self, k: int) -> float:
         if k == 0:
@@ -115,13 +119,18 @@ class CostModel:
         lower = max((j for j in seen if j < k), default=None)
         upper = min((j for j in seen if j > k), default=None)
         if lower is not None and upper is not None:
+            # Between two measured k, follow the component model's shape (it knows that the
+            # first draft adds a call as well as a token); linearly when it is not known yet.
             w = (k - lower) / (upper - lower)
+            if self._components_known():
+                span = self._component_ms(upper) - self._component_ms(lower)
+                if span > 0:
+                    w = (self._component_ms(k) - self._component_ms(lower)) / span
             return (1 - w) * seen[lower] + w * seen[upper]
         if lower is not None and lower > 0 or upper is not None:
             near = lower if lower is not None else upper
             return max(1e-3, seen[near] + (k - near) * self._per_draft_ms())
-        if lower == 0 and self.draft_ms_per_token is not None and None not in (
-                self.verify_ms_base, self.verify_ms_per_draft, self.rtt_ms):
+        if lower == 0 and self._components_known():
             return seen[0] + self._component_ms(k) - self._component_ms(0)
         return self._component_ms(k)
 

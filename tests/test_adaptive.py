@@ -104,14 +104,21 @@ def test_a_new_request_starts_from_the_gateway_wide_acceptance():
 
 def test_measured_round_cycles_decide_and_are_interpolated():
     """Cycle times observed at k = 0 and k = 4 (round start to next round start) override the
-    component model, which here says k = 0 wins; in between they are interpolated."""
+    component model, which here says k = 0 wins; in between they follow its shape, linearly
+    while it is unknown."""
+    linear = CostModel()
+    linear.observe_cycle(0, 19.0)
+    linear.observe_cycle(4, 31.0)
+    assert linear.known and linear.round_ms(2) == pytest.approx(25.0)
     model = costs(draft=2.6, base=9.5, per_draft=3.8, rtt=2.9)
     assert best_k(0.7, model, k_max=8) == 0  # 1/12.4 ms beats E(k)/T(k) for every k > 0
     for _ in range(30):
         model.observe_cycle(0, 19.0)  # what target-only decoding really costs per round
         model.observe_cycle(4, 31.0)
     assert model.round_ms(0) == pytest.approx(19.0)
-    assert model.round_ms(2) == pytest.approx(25.0)  # halfway
+    # Between 0 and 4, along the component model: C(0) = 9.5 + 2.9 = 12.4, C(2) = 2·2.6 +
+    # 9.5 + 2·3.8 + 2·2.9 = 28.1, C(4) = 40.9: k = 2 is (28.1 − 12.4) / 28.5 of the way.
+    assert model.round_ms(2) == pytest.approx(19.0 + 12.0 * 15.7 / 28.5)
     assert model.round_ms(6) == pytest.approx(31.0 + 2 * (2.6 + 3.8))  # beyond: components
     k = best_k(0.7, model, k_max=8)
     assert k >= 2
