@@ -72,7 +72,8 @@ class CostModel:
     rtt_ms: float | None = None  # network + RPC overhead of one call
     cycle_ms: dict[int, float] = field(default_factory=dict)  # observed round cycle per k
     weight: float = 0.1
-    acceptance: AcceptanceCounts | None = None  # every request's rounds, for new requests
+    # every request's rounds, to seed new requests' α (the engine shares one per drafter kind)
+    acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(decay=0.98))
 
     def observe(self, k: int, draft_ms: float, verify_ms: float, draft_compute_ms: float,
                 verify_compute_ms: float) -> None:
@@ -127,7 +128,7 @@ class CostModel:
                 if span > 0:
                     w = (self._component_ms(k) - self._component_ms(lower)) / span
             return (1 - w) * seen[lower] + w * seen[upper]
-        if lower is not None and lower > 0 or upper is not None:
+        if (lower is not None and lower > 0) or upper is not None:
             near = lower if lower is not None else upper
             return max(1e-3, seen[near] + (k - near) * self._per_draft_ms())
         if lower == 0 and self._components_known():
@@ -160,11 +161,9 @@ class AdaptiveK:
     #                       k > 0 wins, try k ± 1 (alternately) every this many rounds
     _since_draft: int = 0
     _rounds: int = 0
-    _counts: AcceptanceCounts | None = None
+    _counts: AcceptanceCounts = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.costs.acceptance is None:
-            self.costs.acceptance = AcceptanceCounts(decay=0.98)
         shared = self.costs.acceptance.alpha(self.prior_alpha)
         # A prior of prior_rounds rounds at the shared α, as if each had accepted α/(1-α)
         # drafts before one rejection: s/(s+f) = α.

@@ -19,6 +19,7 @@ distributed as fresh drafts would be and the output stays lossless.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -47,10 +48,8 @@ def _trim(draft: DraftResult, k: int) -> DraftResult:
     """The first k drafts (k may have shrunk since they were prepared)."""
     if len(draft.token_ids) <= k:
         return draft
-    return DraftResult(token_ids=draft.token_ids[:k], q_ids=draft.q_ids[:k],
-                       q_probs=draft.q_probs[:k], cached_len=draft.cached_len,
-                       cache_hit=draft.cache_hit, compute_ms=draft.compute_ms,
-                       batch_size=draft.batch_size)
+    return dataclasses.replace(draft, token_ids=draft.token_ids[:k], q_ids=draft.q_ids[:k],
+                               q_probs=draft.q_probs[:k])
 
 
 def _delta(session_id: str, tokens: list[int], base: int) -> CacheDelta:
@@ -64,8 +63,7 @@ class Prefetch:
 
     base: int  # committed tokens when they were prepared
     assumed: tuple[int, ...]  # what they assume is committed next: the drafts + the guess
-    draft: DraftResult  # the next round's drafts
-    cached_len: int  # tokens the drafter holds of committed + assumed + drafts
+    draft: DraftResult  # the next round's drafts; its cached_len counts committed + assumed
 
 
 @dataclass(frozen=True)
@@ -113,7 +111,7 @@ class RoundRunner:
                 if (prefetch.base + len(prefetch.assumed) == old
                         and tuple(h.tokens[prefetch.base:]) == prefetch.assumed):
                     outcome = "used"
-                    draft, cached = _trim(prefetch.draft, k), prefetch.cached_len
+                    draft, cached = _trim(prefetch.draft, k), prefetch.draft.cached_len
             if draft is None:
                 draft = await self._draft(h, params, k, kind,
                                           round_seed(seed, round_index, "draft"), deadline)
@@ -141,7 +139,7 @@ class RoundRunner:
             ext = list(drafted.token_ids)
             if next_draft is not None:  # it fed the drafts and its guess, then drafted on
                 ext = [*next_draft.assumed, *next_draft.draft.token_ids]
-                cached = next_draft.cached_len
+                cached = next_draft.draft.cached_len
             tail = tuple(ext[: max(0, cached - old)])
         elif draft is not None:
             tail = ()
@@ -175,13 +173,9 @@ class RoundRunner:
             return None
         guess = result.token_ids[0]
         return Prefetch(base=len(h.tokens), assumed=(*draft.token_ids, guess),
-                        draft=DraftResult(token_ids=result.token_ids[1:],
-                                          q_ids=result.q_ids[1:], q_probs=result.q_probs[1:],
-                                          cached_len=result.cached_len,
-                                          cache_hit=result.cache_hit,
-                                          compute_ms=result.compute_ms,
-                                          batch_size=result.batch_size),
-                        cached_len=result.cached_len)
+                        draft=dataclasses.replace(result, token_ids=result.token_ids[1:],
+                                                  q_ids=result.q_ids[1:],
+                                                  q_probs=result.q_probs[1:]))
 
     def _timeout(self, deadline: Callable[[], float | None]) -> float:
         remaining = deadline()

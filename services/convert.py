@@ -90,7 +90,7 @@ def verify_result_to_pb(r: VerifyResult) -> verifier_pb2.VerifyResponse:
 def verify_result_from_pb(m: verifier_pb2.VerifyResponse) -> VerifyResult:
     return VerifyResult(num_accepted=m.num_accepted, extra_token=m.extra_token_id,
                         cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms,
-                       batch_size=max(1, m.batch_size))
+                        batch_size=max(1, m.batch_size))
 
 
 def meta_to_pb(meta: ModelMeta, kind: str, max_draft_tokens: int) -> common_pb2.ModelInfo:

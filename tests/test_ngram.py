@@ -8,7 +8,7 @@ import pytest
 from drafter_svc.ngram import propose
 from specmesh.client import GatewayClient, build_request
 from specmesh.v1 import common_pb2, drafter_pb2_grpc
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, launch
 
 CASES = [
     ("no repeat", [1, 2, 3, 4], 3, []),
@@ -38,19 +38,34 @@ def _ngram_stats(mesh) -> common_pb2.ReplicaStats:
         return stub.GetStats(common_pb2.StatsRequest())
 
 
-def test_ngram_drafter_through_the_mesh_is_lossless_and_drafts(mesh, target_model):
+@pytest.fixture(scope="module")
+def unpipelined(tiny_pair, redis_url, tmp_path_factory):
+    """An n-gram drafter behind a gateway with --no-pipeline: one draft call per round, so
+    the drafter's counters must equal the request's usage exactly."""
+    m = launch(tiny_pair, redis_url, tmp_path_factory.mktemp("ngram-plain"), drafters=0,
+               ngram_drafters=1, extra_gateway_args=("--no-pipeline",))
+    yield m
+    m.stop()
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "no-pipeline"])
+def test_ngram_drafter_through_the_mesh_is_lossless_and_drafts(pipelined, mesh, unpipelined,
+                                                              target_model):
     model, tokenizer = target_model
+    m = mesh if pipelined else unpipelined
     prompt = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\nx = 1\n"
-    before = _ngram_stats(mesh)
-    with GatewayClient(mesh.gateway_address) as client:
+    before = _ngram_stats(m)
+    with GatewayClient(m.gateway_address) as client:
         reply = client.generate(build_request(prompt, max_new_tokens=40, drafter="ngram",
                                               num_draft_tokens=4))
-    after = _ngram_stats(mesh)
+    after = _ngram_stats(m)
     assert list(reply.token_ids) == hf_greedy(model, tokenizer(prompt)["input_ids"], 40)
     assert reply.usage.draft_tokens > 0
-    # Every verified draft came from the n-gram drafter; with pipelining it also drafted
-    # ahead for rounds whose guess did not hold, so it may have drafted more.
-    assert after.draft_tokens - before.draft_tokens >= reply.usage.draft_tokens
+    drafted = after.draft_tokens - before.draft_tokens
+    if pipelined:  # it also drafted ahead for rounds whose guess did not hold
+        assert drafted >= reply.usage.draft_tokens
+    else:
+        assert drafted == reply.usage.draft_tokens
     assert after.calls > before.calls
 
 
