@@ -94,7 +94,7 @@ class Authenticator:
         return key.name
 
     async def _limit(self, key: ApiKey) -> None:
-        burst = key.burst or max(1, math.ceil(key.rate_per_s))
+        burst = key.burst or math.ceil(key.rate_per_s)  # rate_per_s > 0 here
         async with redis_errors():
             allowed, wait_ms = await self._take(keys=[self._prefix + key.name],
                                                 args=[key.rate_per_s, burst])

@@ -132,7 +132,6 @@ class ModelServiceConfig:
         _require(1 <= self.max_batch <= 256, f"max batch must be in 1..256, got {self.max_batch}")
 
 
-
 @dataclass(frozen=True)
 class ApiKey:
     """One client credential of the gateway: only the SHA-256 of the key is stored."""
@@ -140,7 +139,7 @@ class ApiKey:
     name: str
     sha256: str
     rate_per_s: float = 0.0  # requests per second, refilled continuously; 0 = unlimited
-    burst: int = 0  # bucket size; 0 = max(1, ceil(rate_per_s))
+    burst: int = 0  # bucket size; 0 = ceil(rate_per_s)
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and len(self.name) <= 64 and self.name.isprintable(),

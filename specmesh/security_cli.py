@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -25,8 +26,7 @@ def api_key(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"API key (shown once): {key}", err=True)
-    typer.echo(json.dumps({"name": entry.name, "sha256": entry.sha256,
-                           "rate_per_s": entry.rate_per_s, "burst": entry.burst}))
+    typer.echo(json.dumps(asdict(entry)))
 
 
 def certs(

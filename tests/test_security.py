@@ -116,7 +116,7 @@ def test_clients_that_do_not_trust_the_mesh_ca_or_speak_plaintext_are_refused(se
 @pytest.mark.parametrize("metadata, fragment", [
     ((), "requires an API key"),
     ((("authorization", "Bearer sm-not-a-key"),), "not valid"),
-    ((("authorization", "Basic YWxpY2U6cHc="),), "Bearer"),
+    ((("authorization", "Basic YWxpY2U6cHc="),), "must be 'Bearer <API key>'"),
     ((("x-api-key", "sm-wrong"),), "not valid"),
 ])
 def test_requests_without_a_valid_api_key_are_unauthenticated(secure_mesh, pki, metadata,
@@ -175,7 +175,8 @@ def test_rate_limit_is_per_key(secure_mesh, pki, keys):
         with pytest.raises(grpc.RpcError) as err:
             bob.generate(request)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "'bob' is over its rate limit of 0.5 requests/s (burst 2)" in err.value.details()
+        assert "'bob' is over its rate limit of 0.5 requests/s (burst 2): retry in " \
+            in err.value.details()
         for _ in range(4):
             assert alice.generate(request).usage.completion_tokens == 1
         time.sleep(2.2)

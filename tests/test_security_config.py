@@ -62,8 +62,6 @@ def test_api_keys_file_errors_name_the_problem(tmp_path, content, fragment):
         load_api_keys(str(path))
 
 
-
-
 def test_redact_url_hides_only_the_password():
     assert redact_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
     assert redact_url("rediss://user:pw@h:1/0?ssl_ca_certs=/x") == \
