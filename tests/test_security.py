@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -59,10 +60,8 @@ def keys():
 def secure_mesh(tiny_pair, pki, keys, tmp_path_factory):
     certs, _ = pki
     work = tmp_path_factory.mktemp("secure")
-    port = free_port()
-    redis = local_mesh._spawn("redis", [local_mesh.redis_server_binary(), "--port", str(port),
-                                        "--bind", "127.0.0.1", "--save", "", "--requirepass",
-                                        PASSWORD, "--dir", str(work)], work)
+    redis, redis_url = local_mesh.start_redis(work, password=PASSWORD)
+    port = urlsplit(redis_url).port
     keys_file = work / "keys.json"
     keys_file.write_text(json.dumps({"keys": keys["entries"]}))
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -69,27 +69,10 @@ def test_redact_url_hides_only_the_password():
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
 
 
-def _wait_for_redis(port: int, password: str, timeout: float = 20.0) -> None:
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=1)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            client.ping()
-            return
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.1)
-
-
 def test_gateway_with_a_wrong_redis_password_exits_with_a_clear_error(tmp_path):
-    port = free_port()
-    redis = local_mesh._spawn("redis", [local_mesh.redis_server_binary(), "--port", str(port),
-                                        "--bind", "127.0.0.1", "--save", "", "--requirepass",
-                                        "right", "--dir", str(tmp_path)], tmp_path)
+    redis, url = local_mesh.start_redis(tmp_path, password="right")
+    port = urlsplit(url).port
     try:
-        _wait_for_redis(port, "right")
         out = subprocess.run(
             [sys.executable, "-m", "specmesh.cli", "gateway", "--port", str(free_port()),
              "--redis", f"redis://:wrong@127.0.0.1:{port}/0", "--verifiers", "127.0.0.1:1"],
