@@ -21,7 +21,6 @@ guarantee, reported as ``outputs match``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -158,6 +157,7 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     rows: list[dict] = []
     outputs: dict[tuple[str, int], list[dict]] = {}
     gateway_modes = [m for m in modes if m.key != "hf"]
+    hf = next((m for m in modes if m.key == "hf"), None)
     warm = dataclasses.replace(opts, max_new_tokens=min(16, opts.max_new_tokens))
     for mode in gateway_modes:  # first calls load caches, open channels: not measured
         stream_one_client(address, texts[0], mode, warm)
@@ -173,7 +173,6 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
             rows.append({"mode": mode.key, "label": mode.label, "concurrency": c,
                          **bench_report.summarize(records, wall), "alpha": alpha,
                          "services": services})
-        hf = next((m for m in modes if m.key == "hf"), None)
         if level == 0 and hf is not None and hf_pair is not None:
             from specmesh.bench_hf import run_assisted
 
@@ -290,8 +289,9 @@ def bench(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from services.local_mesh import MeshSpec, free_port, start_mesh
+    from services.local_mesh import MeshSpec, free_port
     from specmesh.bench_prompts import PROMPTS_PATH, load_prompts
+    from specmesh.command_mesh import command_mesh
 
     err, console = Console(stderr=True), Console()
     if not console.is_terminal:  # a file or a pipe: room for the whole table
@@ -323,24 +323,21 @@ def bench(
     if "hf" in keys:
         notes.append(HF_NOTE if hf_pair else "HF assisted generation skipped: with --addr it "
                                              "needs --target and --drafter.")
-    mesh = None
-    try:
+    address = addr or "local mesh"  # as the report names it
+    with command_mesh(err) as start_mesh:
         if addr:
             probe = ServiceProbe(_split(verifiers), _split(drafters), metrics_url)
         else:
             metrics_port = free_port()
             service_args = ("--threads", str(threads), "--device", device)
-            spec = MeshSpec(target=target, draft=drafter, port=free_port(), drafters=1,
-                            ngram_drafters=int("ngram" in keys), log_dir=out / "logs",
-                            extra_gateway_args=("--metrics-port", str(metrics_port)),
-                            extra_verifier_args=service_args, extra_drafter_args=service_args)
-            out.mkdir(parents=True, exist_ok=True)
-            with err.status("starting a local mesh"):
-                mesh = start_mesh(spec)
+            mesh = start_mesh(MeshSpec(
+                target=target, draft=drafter, port=free_port(), drafters=1,
+                ngram_drafters=int("ngram" in keys), log_dir=out / "logs",
+                extra_gateway_args=("--metrics-port", str(metrics_port)),
+                extra_verifier_args=service_args, extra_drafter_args=service_args))
             addr = mesh.gateway_address
             probe = ServiceProbe(mesh.verifier_addresses, mesh.drafter_addresses,
                                  f"http://127.0.0.1:{metrics_port}/metrics")
-            err.print(f"local mesh at {addr} (logs: {out / 'logs'})")
         names = {"target": target, "draft": drafter}
         for role, kind, addresses in (("target", "verifier", probe.verifiers),
                                       ("draft", "drafter", probe.drafters["model"])):
@@ -355,17 +352,11 @@ def bench(
                 task = bar.add_task(label, total=total)
                 return lambda: bar.advance(task)
             results = run_bench(addr, chosen, mode_list, opts, probe, hf_pair, progress)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        raise typer.Exit(130) from None
-    finally:
-        if mesh is not None:
-            mesh.stop()
     report = {
         "machine": {**machine, "load_average_end": list(os.getloadavg())},
         "settings": {"concurrency": levels, "k": k, "max_new_tokens": max_new_tokens,
                      "modes": keys, "threads": threads, "device": device, "seed": seed,
-                     "address": addr if mesh is None else "local mesh",
+                     "address": address,
                      "prompts": [{x: p[x] for x in ("id", "kind", "source")} for p in chosen]},
         "models": {role: {"name": name, "params": count_params(name) if name else None}
                    for role, name in names.items()},
@@ -400,4 +391,3 @@ def _cost_notes(report: dict) -> None:
     notes.append(f"Load average (1 min) at start {la[0]:.2f}, at end "
                  f"{report['machine']['load_average_end'][0]:.2f}, on "
                  f"{report['machine']['cores']} cores.")
-    json.dumps(report)  # fail here, not half-way through writing, if a value is not JSON

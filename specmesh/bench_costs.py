@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import urllib.request
 
+from gateway.adaptive import expected_tokens
+
 STAT_FIELDS = ("calls", "fresh_prefills", "fed_tokens", "draft_tokens", "accepted_tokens",
                "forward_ms", "forward_passes", "batched_calls")
 GATEWAY_SERIES = {  # our key: (Prometheus sample name, required labels)
@@ -39,21 +41,12 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
-def expected_tokens_per_round(alpha: float, k: int) -> float:
-    """E(α, k) = (1 − α^(k+1)) / (1 − α): expected tokens one round yields when each of the
-    k draft tokens is accepted with probability α independently, until the first rejection,
-    plus the target's own token (Leviathan et al. 2023, eq. 1); k + 1 when α = 1."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 def speedup_bound(alpha: float, k: int, c: float, c_v: float) -> float:
     """E(α, k) / (k·c + c_v): the speedup over target-only decoding when a round costs k draft
     steps of c target steps each plus one verify pass of c_v target steps, and nothing else
     (Leviathan et al. 2023, Theorem 3.8, with the verify pass's cost c_v measured instead of
-    assumed to be 1)."""
-    return expected_tokens_per_round(alpha, k) / (k * c + c_v)
+    assumed to be 1). E(α, k) = (1 − α^(k+1)) / (1 − α), gateway.adaptive.expected_tokens."""
+    return expected_tokens(alpha, k) / (k * c + c_v)
 
 
 def efficiency(observed_speedup: float | None, bound: float | None) -> float | None:
@@ -199,7 +192,7 @@ def cost_figures(target_row: dict, spec_row: dict, k: int, drafter: str) -> dict
     alpha = spec_row.get("alpha")
     bound = expected = None
     if alpha is not None:
-        expected = expected_tokens_per_round(alpha, k)
+        expected = expected_tokens(alpha, k)
         if c is not None and c_v is not None:
             bound = speedup_bound(alpha, k, c, c_v)
     g = _get(ss, "gateway")

@@ -87,8 +87,8 @@ def run_assisted(target_path: str, draft_path: str, prompts: list[str], *, k: in
                  warmup: bool = True, progress: Callable[[], None] | None = None
                  ) -> tuple[list[dict], float, dict]:
     """Runs every prompt once, one after another. Returns (records, wall seconds of the whole
-    set, {"target": {passes, forward_ms}, "draft": {...}}); a record has the same keys as the
-    gateway's (see specmesh.bench.RequestRecord)."""
+    set, {"target": {passes, forward_ms}, "draft": {...}}); a record has the keys of
+    specmesh.bench.stream_one's, "chunks" aside."""
     import torch
     from transformers.utils import logging as hf_logging
 

@@ -299,7 +299,8 @@ def load(
     from rich.console import Console
     from rich.live import Live
 
-    from services.local_mesh import MeshSpec, default_cache_dir, free_port, start_mesh
+    from services.local_mesh import MeshSpec, default_cache_dir, free_port
+    from specmesh.command_mesh import command_mesh
 
     if drafter not in ("", "model", "ngram"):
         raise typer.BadParameter("--drafter must be model or ngram")
@@ -307,29 +308,21 @@ def load(
     opts = LoadOptions(streams=streams, duration_s=duration, max_new_tokens=max_new_tokens,
                        drafter=drafter, seed=seed, timeout_s=timeout, tls_ca=tls_ca,
                        api_key=api_key)
-    mesh, pids = None, None
-    try:
+    pids = None
+    with command_mesh(err) as start_mesh:
         if not addr:
             from services.tiny_models import build_tiny_pair
 
             with err.status("building the bundled tiny model pair"):
                 target, draft = build_tiny_pair(default_cache_dir() / "tiny-pair")
-            with err.status("starting a local mesh"):
-                mesh = start_mesh(MeshSpec(target=str(target), draft=str(draft), port=free_port(),
-                                           ngram_drafters=int(drafter == "ngram")))
+            mesh = start_mesh(MeshSpec(target=str(target), draft=str(draft), port=free_port(),
+                                       ngram_drafters=int(drafter == "ngram")))
             addr, pids = mesh.gateway_address, {p.name: p.popen.pid for p in mesh.procs}
-            err.print(f"local mesh at {addr} (logs: {mesh.procs[0].log_path.parent})")
         with Live(console=err, transient=True, refresh_per_second=4) as live:
             def progress(phase: str, elapsed: float, requests: int, errors: int, tokens: int):
                 live.update(f"{phase}: {elapsed:5.1f} s, {requests} requests, {errors} errors, "
                             f"{tokens / elapsed if elapsed else 0:.1f} tokens/s")
             report = measure(addr, opts, pids, progress)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        raise typer.Exit(130) from None
-    finally:
-        if mesh is not None:
-            mesh.stop()
     render(report, out)
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=2) + "\n")

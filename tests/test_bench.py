@@ -10,10 +10,10 @@ import platform
 import pytest
 from typer.testing import CliRunner
 
+from gateway.adaptive import expected_tokens
 from specmesh.bench_costs import (
     cost_figures,
     efficiency,
-    expected_tokens_per_round,
     overhead_per_round,
     parse_gateway_metrics,
     ratio,
@@ -26,14 +26,14 @@ from specmesh.cli import app
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def test_expected_tokens_per_round_by_hand():
+def test_expected_tokens_by_hand():
     # α = 0.5, k = 3: (1 - 0.5^4) / (1 - 0.5) = 0.9375 / 0.5 = 1.875 (= 1 + .5 + .25 + .125)
-    assert expected_tokens_per_round(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
     # α = 0.8, k = 3: (1 - 0.4096) / 0.2 = 2.952
-    assert expected_tokens_per_round(0.8, 3) == pytest.approx(2.952)
-    assert expected_tokens_per_round(0.0, 3) == 1.0  # every draft rejected: the target's token
-    assert expected_tokens_per_round(1.0, 3) == 4.0  # every draft accepted, plus the bonus
-    assert expected_tokens_per_round(1.0, 7) == 8.0
+    assert expected_tokens(0.8, 3) == pytest.approx(2.952)
+    assert expected_tokens(0.0, 3) == 1.0  # every draft rejected: the target's token
+    assert expected_tokens(1.0, 3) == 4.0  # every draft accepted, plus the bonus
+    assert expected_tokens(1.0, 7) == 8.0
 
 
 def test_speedup_bound_and_efficiency_by_hand():

@@ -26,6 +26,10 @@ def report() -> dict:
     return json.loads((TARGET / "training_report.json").read_text())
 
 
+def _sha(directory: Path) -> dict:
+    return {f.name: sha256_file(f) for f in sorted(directory.glob("model*.safetensors"))}
+
+
 def test_target_loads_with_its_tokenizer(report):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,7 +42,7 @@ def test_target_loads_with_its_tokenizer(report):
 
 
 def test_report_checksum_matches_the_committed_weights(report):
-    files = {f.name: sha256_file(f) for f in sorted(TARGET.glob("model*.safetensors"))}
+    files = _sha(TARGET)
     assert files and report["sha256"] == files
 
 
@@ -59,10 +63,6 @@ def test_held_out_loss_recomputed_from_the_files_matches_the_report(report):
 def pair_reports() -> tuple[dict, dict]:
     return (json.loads((DRAFTER / "distill_report.json").read_text()),
             json.loads((MODELS / "demo-eval.json").read_text()))
-
-
-def _sha(directory: Path) -> dict:
-    return {f.name: sha256_file(f) for f in sorted(directory.glob("model*.safetensors"))}
 
 
 def test_drafter_loads_and_shares_the_targets_vocabulary():

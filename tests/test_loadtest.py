@@ -81,14 +81,20 @@ def test_nothing_listening_is_counted_as_unavailable():
     assert report["rss"] is None and loadtest.failed(report)
 
 
-def test_cli_exits_non_zero_and_reports_the_status_of_rejected_requests(mesh, tmp_path):
+def _cli(mesh, tmp_path, streams: int, max_new_tokens: int):
+    """`specmesh load --addr` for 1 s: (the CliRunner result, the --json report)."""
     out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["load", "--addr", mesh.gateway_address, "--streams",
+                                      str(streams), "--duration", "1", "--max-new-tokens",
+                                      str(max_new_tokens), "--json", str(out)])
+    assert out.exists(), result.output
+    return result, json.loads(out.read_text())
+
+
+def test_cli_exits_non_zero_and_reports_the_status_of_rejected_requests(mesh, tmp_path):
     # the mesh fixture caps max_new_tokens at 512: the gateway rejects every request
-    result = CliRunner().invoke(app, ["load", "--addr", mesh.gateway_address, "--streams", "2",
-                                      "--duration", "1", "--max-new-tokens", "513",
-                                      "--json", str(out)])
+    result, report = _cli(mesh, tmp_path, streams=2, max_new_tokens=513)
     assert result.exit_code == 1, result.output
-    report = json.loads(out.read_text())
     assert set(report["errors"]) == {"INVALID_ARGUMENT"}
     assert report["errors"]["INVALID_ARGUMENT"] == report["requests"] >= 2
     assert "max_new_tokens" in report["error_details"][0]
@@ -96,11 +102,7 @@ def test_cli_exits_non_zero_and_reports_the_status_of_rejected_requests(mesh, tm
 
 
 def test_cli_succeeds_against_a_healthy_mesh(mesh, tmp_path):
-    out = tmp_path / "report.json"
-    result = CliRunner().invoke(app, ["load", "--addr", mesh.gateway_address, "--streams", "1",
-                                      "--duration", "1", "--max-new-tokens", "8",
-                                      "--json", str(out)])
+    result, report = _cli(mesh, tmp_path, streams=1, max_new_tokens=8)
     assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
     assert report["errors"] == {} and report["requests"] >= 1
     assert "TTFT" in result.output and "not measured" in result.output

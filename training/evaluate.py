@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from training import corpus
-from training.loop import sha256_file
+from training.demo import weights_sha256
 
 __all__ = ["acceptance_from_logits", "evaluate_alpha", "measure_latency", "held_out_windows",
            "evaluate_pair", "main"]
@@ -191,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(res))
     for role, path in (("target", args.target), ("draft", args.draft)):
         if Path(path).is_dir():  # which weights the figures belong to
-            res[f"{role}_sha256"] = {f.name: sha256_file(f)
-                                     for f in sorted(Path(path).glob("model*.safetensors"))}
+            res[f"{role}_sha256"] = weights_sha256(Path(path))
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
     return 0
