@@ -29,6 +29,7 @@ from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
 from gateway.rounds import Prefetch, RoundResult, RoundRunner
 from gateway.telemetry import RequestTelemetry
+from gateway.turns import TurnRecord, resumed_spec
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, PermissionDenied, Unavailable
 from services.messages import check_token_ids
@@ -83,6 +84,7 @@ class _Request:
     owner: str
     seed: int
     deadline: Callable[[], float | None]
+    turn: TurnRecord  # settings and progress, saved with every commit (resume reads it)
     usage: Usage = field(default_factory=Usage)
     generated: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -129,8 +131,6 @@ class GenerationEngine:
             req = await self._start(spec, deadline, tenant)
             span = self.telemetry.generate_span(req)
             try:
-                if spec.resume_from:
-                    yield self._resume_chunk(req)
                 async for chunk in self._stream(req, span):
                     yield chunk
             except BaseException as exc:
@@ -159,33 +159,63 @@ class GenerationEngine:
             raise InvalidArgument(f"no {spec.drafter_kind} drafter is configured on this gateway "
                                   f"(kinds: {', '.join(sorted(self.drafters.kinds())) or 'none'})")
         owner = uuid.uuid4().hex
+        seed = spec.seed if spec.seed is not None else secrets.randbits(63)
         if spec.session_id:
             handle = await self._load(spec.session_id, tenant)
             await self.store.acquire(spec.session_id, owner)
             try:
+                if spec.resume_from:
+                    turn = self._turn_to_resume(handle, spec)
+                    return self._resumed_request(resumed_spec(spec, turn), handle, owner, turn,
+                                                 deadline)
                 prompt = await self._tokenize(spec, continuing=True)
                 self._check_context(len(handle.tokens) + len(prompt), len(prompt))
             except BaseException:
                 await self.store.release(spec.session_id, owner)
                 raise
-            if prompt:
-                handle.tokens.extend(prompt)
-                await self.store.commit(handle, prompt, owner)
+            handle.tokens.extend(prompt)
+            turn = TurnRecord.begin(spec, len(handle.tokens), len(prompt), seed)
+            handle.turn = turn.to_dict()
+            await self.store.commit(handle, prompt, owner)
         else:
             prompt = await self._tokenize(spec, continuing=False)
             if not prompt:
                 raise InvalidArgument("prompt tokenizes to no tokens: send a non-empty prompt")
             self._check_context(len(prompt), len(prompt))
+            turn = TurnRecord.begin(spec, len(prompt), len(prompt), seed)
             handle = SessionHandle(session_id=uuid.uuid4().hex, version=1, tokens=list(prompt),
                                    target=self.limits.fingerprint, keep=spec.keep_session,
-                                   tenant=tenant or "")
+                                   tenant=tenant or "", turn=turn.to_dict())
             await self.store.acquire(handle.session_id, owner)
             await self.store.create(handle)
-        handle.sampling = {"temperature": spec.params.temperature, "top_k": spec.params.top_k,
-                           "top_p": spec.params.top_p}
-        seed = spec.seed if spec.seed is not None else secrets.randbits(63)
-        req = _Request(spec=spec, handle=handle, owner=owner, seed=seed, deadline=deadline)
+        req = _Request(spec=spec, handle=handle, owner=owner, seed=seed, deadline=deadline,
+                       turn=turn)
         req.usage.prompt_tokens = len(prompt)
+        return req
+
+    @staticmethod
+    def _turn_to_resume(h: SessionHandle, spec: GenerationSpec) -> TurnRecord:
+        if not h.turn:
+            raise InvalidArgument(f"session {h.session_id!r} has no recorded turn to resume: "
+                                  "send a prompt to start one")
+        turn = TurnRecord.from_dict(h.turn)
+        if not turn.start <= spec.resume_from <= len(h.tokens):
+            raise InvalidArgument(
+                f"resume_from {spec.resume_from} is outside the turn being resumed: it must lie "
+                f"in {turn.start}..{len(h.tokens)} (from the turn's first generated token to "
+                f"past the session's {len(h.tokens)} committed tokens)")
+        return turn
+
+    @staticmethod
+    def _resumed_request(spec: GenerationSpec, h: SessionHandle, owner: str, turn: TurnRecord,
+                         deadline) -> _Request:
+        """The request a resume continues, with its progress so far (round index, usage)."""
+        req = _Request(spec=spec, handle=h, owner=owner, seed=turn.seed, deadline=deadline,
+                       turn=turn)
+        req.generated = len(h.tokens) - turn.start
+        req.usage = Usage(prompt_tokens=turn.prompt_tokens, completion_tokens=req.generated,
+                          rounds=turn.rounds, draft_tokens=turn.draft_tokens,
+                          accepted_draft_tokens=turn.accepted_draft_tokens)
         return req
 
     async def _load(self, session_id: str, tenant: str | None) -> SessionHandle:
@@ -221,16 +251,22 @@ class GenerationEngine:
 
     # ----- rounds ------------------------------------------------------------------------
 
-    def _resume_chunk(self, req: _Request) -> Chunk:
-        """The tokens a cut stream's client has not received: committed from resume_from on."""
-        h, start = req.handle, req.spec.resume_from
-        if start > len(h.tokens):
-            raise InvalidArgument(f"resume_from {start} is past the session's {len(h.tokens)} "
-                                  "committed tokens")
-        gap = h.tokens[start:]
-        detok = IncrementalDetokenizer(self.tokenizer, h.tokens[:start])
-        return Chunk(text=detok.push(gap) + detok.flush(), token_ids=list(gap),
-                     session_id=h.session_id, offset=start)
+    def _resume_chunk(self, req: _Request, detok: IncrementalDetokenizer,
+                      stop: StopMatcher) -> Chunk:
+        """The tokens a cut stream's client has not received (committed from resume_from on)
+        and their text, replayed through the turn's detokenizer and stop matcher so that the
+        text equals the uninterrupted stream's (a suffix held back before the cut included);
+        the last chunk (finish, usage) when the turn had already ended."""
+        h, start, turn = req.handle, req.spec.resume_from, req.turn
+        for token in h.tokens[turn.start:start]:  # what the client has: replayed, not sent
+            self._text_of(token, detok, stop)
+        text = "".join(self._text_of(token, detok, stop)[0] for token in h.tokens[start:])
+        finish = Finish[turn.finish] if turn.finish else None
+        if finish is not None:
+            tail, finish = self._final_text(detok, stop, finish)
+            text += tail
+        return Chunk(text=text, token_ids=h.tokens[start:], session_id=h.session_id,
+                     offset=start, finish=finish, usage=req.usage if finish else None)
 
     def _drafter_kind(self, spec: GenerationSpec) -> str:
         """The request's drafter kind, else the default, else whichever kind there is."""
@@ -297,10 +333,15 @@ class GenerationEngine:
 
     async def _stream(self, req: _Request, span: trace.Span) -> AsyncIterator[Chunk]:
         spec, h = req.spec, req.handle
-        detok = IncrementalDetokenizer(self.tokenizer, list(h.tokens))
+        detok = IncrementalDetokenizer(self.tokenizer, h.tokens[:req.turn.start])
         stop = StopMatcher(list(spec.stop))
         kind = self._drafter_kind(spec)
         finish: Finish | None = None
+        if spec.resume_from:
+            chunk = self._resume_chunk(req, detok, stop)
+            yield chunk
+            if chunk.finish is not None:
+                return
         while finish is None:
             if len(h.tokens) >= self.limits.max_context:
                 finish = Finish.CONTEXT
@@ -319,7 +360,7 @@ class GenerationEngine:
                 self._learn(req, kind, r)
                 req.last_round = (start, r)
                 kept, text, finish = self._accept(req, r.proposed, detok, stop)
-                self._commit_counts(req, r, kept)
+                self._commit_counts(req, r, kept, finish)
                 await self._save(req, len(kept), final=finish is not None)
                 self.telemetry.record_round(round_span, req, r, len(kept), time.perf_counter() - start)
             if finish is not None:
@@ -369,7 +410,7 @@ class GenerationEngine:
             if token in self.limits.eos_token_ids:
                 finish = Finish.EOS
                 break
-            piece, stopped = stop.feed(detok.push([token]))
+            piece, stopped = self._text_of(token, detok, stop)
             text += piece
             if stopped:
                 finish = Finish.STOP
@@ -379,16 +420,30 @@ class GenerationEngine:
                 break
         if finish is None and len(req.handle.tokens) + len(kept) >= self.limits.max_context:
             finish = Finish.CONTEXT
-        if finish is not None and finish is not Finish.STOP:
-            tail, stopped = stop.feed(detok.flush())
+        if finish is not None:
+            tail, finish = self._final_text(detok, stop, finish)
             text += tail
-            if stopped:
-                finish = Finish.STOP
-            else:
-                text += stop.flush()
         return kept, text, finish
 
-    def _commit_counts(self, req: _Request, r: RoundResult, kept: list[int]) -> None:
+    def _text_of(self, token: int, detok: IncrementalDetokenizer,
+                 stop: StopMatcher) -> tuple[str, bool]:
+        """A generated token's text as the stream shows it (EOS shows none): (text, stopped)."""
+        if token in self.limits.eos_token_ids:
+            return "", False
+        return stop.feed(detok.push([token]))
+
+    @staticmethod
+    def _final_text(detok: IncrementalDetokenizer, stop: StopMatcher,
+                    finish: Finish) -> tuple[str, Finish]:
+        """The text still held back when a turn ends, and the finish (a stop string may
+        complete in the detokenizer's last bytes)."""
+        if finish is Finish.STOP:
+            return "", finish
+        tail, stopped = stop.feed(detok.flush())
+        return (tail, Finish.STOP) if stopped else (tail + stop.flush(), finish)
+
+    def _commit_counts(self, req: _Request, r: RoundResult, kept: list[int],
+                       finish: Finish | None) -> None:
         """Appends ``kept`` to the handle and records how much of it each replica holds."""
         h = req.handle
         old_len = len(h.tokens)
@@ -402,6 +457,11 @@ class GenerationEngine:
         req.usage.draft_tokens += len(r.drafted)
         req.usage.accepted_draft_tokens += r.num_accepted
         req.usage.completion_tokens = req.generated
+        turn = req.turn
+        turn.rounds, turn.draft_tokens = req.usage.rounds, req.usage.draft_tokens
+        turn.accepted_draft_tokens = req.usage.accepted_draft_tokens
+        turn.finish = finish.name if finish is not None else ""
+        h.turn = turn.to_dict()
 
     async def close_session(self, session_id: str, tenant: str | None = None) -> int:
         """Deletes a session and frees its caches; returns its committed token count."""

@@ -29,6 +29,7 @@ class GenerationSpec:
     session_id: str  # "" = a new session
     keep_session: bool
     resume_from: int = 0  # re-send the session's tokens from this position first
+    explicit: frozenset[str] = frozenset()  # settings the request gave ("sampling.top_k", ...)
 
 
 def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -> GenerationSpec:
@@ -77,6 +78,12 @@ def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -
     if spec.drafter not in ("", "model", "ngram"):
         raise InvalidArgument(f"speculation.drafter must be \"model\", \"ngram\" or empty (the "
                               f"gateway's default), got {spec.drafter!r}")
+    explicit = {f"sampling.{name}" for name in
+                ("temperature", "top_p", "top_k", "max_new_tokens", "seed") if s.HasField(name)}
+    explicit |= {name for name, given in (("sampling.stop", bool(stop)),
+                                          ("speculation.num_draft_tokens", spec.num_draft_tokens),
+                                          ("speculation.disable", spec.disable),
+                                          ("speculation.drafter", spec.drafter)) if given}
     return GenerationSpec(
         prompt=req.prompt,
         prompt_ids=tuple(req.prompt_token_ids),
@@ -90,4 +97,5 @@ def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -
         session_id=req.session_id,
         keep_session=req.keep_session or bool(req.session_id),
         resume_from=req.resume_from,
+        explicit=frozenset(explicit),
     )

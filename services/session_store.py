@@ -2,7 +2,8 @@
 
 Layout (``P`` = key prefix, default ``specmesh:session:``):
 - ``P{id}`` hash: version, committed_len, committed_hash, verifier, verifier_len, drafter,
-  drafter_len, target, keep, sampling, trace, tenant, writer (request@base length of the
+  drafter_len, target, keep, turn (the current request's settings and progress, JSON:
+  gateway/turns.py), trace, tenant, writer (request@base length of the
   last commit), created, updated
 - ``P{id}:tokens`` string: the committed token ids as little-endian int32, appended per round
 - ``P{id}:lease`` string: the request that may advance the session, with a TTL
@@ -86,7 +87,7 @@ class SessionHandle:
     drafter_len: int = 0
     target: str = ""
     keep: bool = False
-    sampling: dict = field(default_factory=dict)
+    turn: dict = field(default_factory=dict)  # the current turn's record (gateway/turns.py)
     last_trace: str = ""  # "traceid-spanid" of the latest turn's span, to link the next one
     tenant: str = ""  # name of the API key that created the session ("" = no authentication)
 
@@ -165,7 +166,7 @@ class SessionStore:
                 verifier=f.get("verifier", ""), verifier_len=int(f.get("verifier_len", 0)),
                 drafter=f.get("drafter", ""), drafter_len=int(f.get("drafter_len", 0)),
                 target=f.get("target", ""), keep=f.get("keep") == "1",
-                sampling=json.loads(f.get("sampling") or "{}"), last_trace=f.get("trace", ""),
+                turn=json.loads(f.get("turn") or "{}"), last_trace=f.get("trace", ""),
                 tenant=f.get("tenant", ""))
         except (ValueError, KeyError) as exc:
             raise Unavailable(f"session {session_id!r} handle is corrupt in Redis ({exc}); "
@@ -219,7 +220,7 @@ class SessionStore:
             "committed_len", len(h.tokens), "committed_hash", token_hash(h.tokens),
             "verifier", h.verifier, "verifier_len", h.verifier_len,
             "drafter", h.drafter, "drafter_len", h.drafter_len,
-            "target", h.target, "keep", int(h.keep), "sampling", json.dumps(h.sampling),
+            "target", h.target, "keep", int(h.keep), "turn", json.dumps(h.turn),
             "trace", h.last_trace, "updated", now,
         ]
         if created:

@@ -76,7 +76,7 @@ def test_create_then_load_round_trips_everything(redis_server, prefix, sync):
     tokens = [0, 1, 511, 2**31 - 1, 7, 7, 300]
     original = handle(sid, tokens, verifier="127.0.0.1:5001", verifier_len=6,
                       drafter="127.0.0.1:5002", drafter_len=5, target="fp-target", keep=True,
-                      sampling={"temperature": 0.7, "top_k": 40, "seed": 12345,
+                      turn={"temperature": 0.7, "top_k": 40, "seed": 12345,
                                 "stop": ["\n\n", "é"]})
 
     async def body(store):
@@ -102,7 +102,7 @@ def test_create_defaults_and_empty_tokens(redis_server, prefix):
         return await store.load(sid)
 
     loaded = run(redis_server, prefix, body)
-    assert loaded.tokens == [] and loaded.keep is False and loaded.sampling == {}
+    assert loaded.tokens == [] and loaded.keep is False and loaded.turn == {}
     assert loaded.verifier == "" and loaded.verifier_len == 0
 
 

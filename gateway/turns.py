@@ -1,0 +1,90 @@
+"""A session's current turn, as the session handle records it: the request's settings and
+its progress, so that a stream cut by a dead gateway continues as the same request.
+
+DESIGN's failure model: "the client continues with its session_id and resume_from on any
+gateway, and the continuation is the original request: same sampling settings, seed, stop
+strings and remaining token budget". The record is written with every commit (one Lua
+script, so settings, progress and tokens never disagree) and read back on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from gateway.requests import GenerationSpec
+from services.errors import InvalidArgument
+from services.sampling import SamplingParams
+
+
+@dataclass
+class TurnRecord:
+    """One turn of a session: where its generation started, what it asked for, how far it got."""
+
+    start: int  # committed tokens before the first generated one (the prompt included)
+    prompt_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int  # resolved: a random seed drawn at the start when the request gave none
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    num_draft_tokens: int  # as requested (0 = the gateway's choice)
+    speculate: bool
+    drafter_kind: str
+    seeded: bool = False  # the request gave the seed (seeded sampling fixes k)
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    finish: str = ""  # Finish name once the turn has ended
+
+    @classmethod
+    def begin(cls, spec: GenerationSpec, start: int, prompt_tokens: int, seed: int) -> TurnRecord:
+        p = spec.params
+        return cls(start=start, prompt_tokens=prompt_tokens, temperature=p.temperature,
+                   top_k=p.top_k, top_p=p.top_p, seed=seed, max_new_tokens=spec.max_new_tokens,
+                   stop=tuple(spec.stop), num_draft_tokens=spec.num_draft_tokens,
+                   speculate=spec.speculate, drafter_kind=spec.drafter_kind,
+                   seeded=spec.seed is not None)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["stop"] = list(self.stop)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TurnRecord:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: (tuple(v) if k == "stop" else v) for k, v in d.items() if k in names})
+
+
+def resumed_spec(spec: GenerationSpec, turn: TurnRecord) -> GenerationSpec:
+    """The spec of the turn a resume request continues: every setting from ``turn``. A
+    setting the resume request gives explicitly must equal the turn's, else INVALID_ARGUMENT
+    naming it (a resume cannot change the request it continues)."""
+    recorded = {
+        "sampling.temperature": turn.temperature, "sampling.top_k": turn.top_k,
+        "sampling.top_p": turn.top_p, "sampling.max_new_tokens": turn.max_new_tokens,
+        "sampling.stop": turn.stop, "sampling.seed": turn.seed if turn.seeded else None,
+        "speculation.num_draft_tokens": turn.num_draft_tokens,
+        "speculation.disable": not turn.speculate, "speculation.drafter": turn.drafter_kind,
+    }
+    given = {
+        "sampling.temperature": spec.params.temperature, "sampling.top_k": spec.params.top_k,
+        "sampling.top_p": spec.params.top_p, "sampling.max_new_tokens": spec.max_new_tokens,
+        "sampling.stop": tuple(spec.stop), "sampling.seed": spec.seed,
+        "speculation.num_draft_tokens": spec.num_draft_tokens,
+        "speculation.disable": not spec.speculate, "speculation.drafter": spec.drafter_kind,
+    }
+    for name in sorted(spec.explicit):
+        if name in recorded and given[name] != recorded[name]:
+            raise InvalidArgument(
+                f"{name} is {given[name]!r} but the stream being resumed was started with "
+                f"{recorded[name]!r}: a resume continues the original request; leave "
+                f"{name} unset (or equal)")
+    return dataclasses.replace(
+        spec, params=SamplingParams(temperature=turn.temperature, top_k=turn.top_k,
+                                    top_p=turn.top_p),
+        max_new_tokens=turn.max_new_tokens, stop=turn.stop,
+        seed=turn.seed if turn.seeded else None, num_draft_tokens=turn.num_draft_tokens,
+        speculate=turn.speculate, drafter_kind=turn.drafter_kind)
