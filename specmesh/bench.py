@@ -1,63 +1,39 @@
-"""`specmesh bench`: target-only decoding, SpecMesh with each drafter, and HF assisted generation
-on the same model pair and prompts, side by side, at several concurrency levels (issue #4; see
-docs/performance.md for what is measured and how).
+"""`specmesh bench`: SpecMesh with each drafter against honest baselines, on the same model pair
+and prompts, side by side, at several concurrency levels (issue #14; see docs/performance.md
+for what is measured and how).
 
-Modes (``--modes``):
-
-* ``target``: target-only decoding through the same gateway (``speculation.disable``), the
-  baseline every speedup is relative to;
-* ``model``: the model drafter with a fixed k (``num_draft_tokens=k``);
-* ``adaptive``: the model drafter, k chosen by the gateway per round (``num_draft_tokens=0``);
-* ``ngram``: the prompt-lookup drafter with a fixed k;
-* ``hf``: transformers' assisted generation in this process (specmesh.bench_hf), concurrency 1.
+Modes (``--modes``; specmesh.bench_modes has them in full): ``target`` (target-only through the
+same gateway: the serving path's overhead), ``model`` (fixed k), ``default`` (the gateway's
+default policy, ``num_draft_tokens=0``; it replaces the former ``adaptive``, the same request),
+``ngram`` (fixed k), and in the bench process at concurrency 1 ``hf-plain`` (the target's own
+``generate``: the speedup base), ``hf`` (HF assisted generation, fixed k) and ``hf-default``
+(HF assisted generation, its own defaults). The HF rows use the torch threads of the mesh's
+verifier and model drafter together (``--threads`` × 2, at most the CPU count).
 
 A level of concurrency N runs max(P, N) requests for P prompts: N workers, worker i takes
 requests i, i+N, i+2N, ... and request j uses prompt j mod P, so every prompt runs at every
 level. The level's wall time runs from the moment every worker is connected until the last
 request ends. All decoding is greedy, so every output must equal target-only's (the lossless
-guarantee, reported as ``outputs match``).
+guarantee, reported as ``outputs match``). Speedups, the targets and the serving path's
+overhead: specmesh.bench_baselines.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import platform
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from specmesh import bench_report
-from specmesh.bench_costs import ServiceProbe, cost_figures, model_info
-
-MODE_KEYS = ("target", "model", "adaptive", "ngram", "hf")
-HF_NOTE = ("HF assisted generation supports batch size 1 only: it runs at concurrency 1 only, "
-           "one prompt after another, in the bench process.")
-
-
-@dataclass(frozen=True)
-class Mode:
-    key: str
-    label: str
-    disable: bool = False  # speculation.disable: target-only
-    drafter: str = ""  # speculation.drafter
-    k: int = 0  # speculation.num_draft_tokens; 0 = the gateway's adaptive choice
-
-
-def make_modes(keys: list[str], k: int) -> list[Mode]:
-    table = {"target": Mode("target", "target-only", disable=True),
-             "model": Mode("model", f"SpecMesh model k={k}", drafter="model", k=k),
-             "adaptive": Mode("adaptive", "SpecMesh model adaptive k", drafter="model"),
-             "ngram": Mode("ngram", f"SpecMesh ngram k={k}", drafter="ngram", k=k),
-             "hf": Mode("hf", f"HF assisted k={k}", k=k)}
-    return [table[key] for key in MODE_KEYS if key in keys]
+from specmesh import bench_baselines, bench_report
+from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, model_info
+from specmesh.bench_machine import count_params, machine_info
+from specmesh.bench_modes import HF_KEYS, MODE_KEYS, TARGET_KEY, Mode, hf_threads, make_modes
 
 
 @dataclass
@@ -152,12 +128,13 @@ def run_level(address: str, mode: Mode, prompts: list[str], concurrency: int,
 def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchOptions,
               probe: ServiceProbe, hf_pair: tuple[str, str] | None, progress) -> dict:
     """Every (mode, concurrency) cell, concurrency by concurrency (so the rows compared with
-    each other run close together in time). ``progress(label, total)`` returns an advance()."""
+    each other run close together in time); the HF rows after the first level's gateway rows.
+    ``progress(label, total)`` returns an advance()."""
     texts = [p["prompt"] for p in prompts]
     rows: list[dict] = []
     outputs: dict[tuple[str, int], list[dict]] = {}
-    gateway_modes = [m for m in modes if m.key != "hf"]
-    hf = next((m for m in modes if m.key == "hf"), None)
+    gateway_modes = [m for m in modes if not m.in_process]
+    hf_modes = [m for m in modes if m.in_process]
     warm = dataclasses.replace(opts, max_new_tokens=min(16, opts.max_new_tokens))
     for mode in gateway_modes:  # first calls load caches, open channels: not measured
         stream_one_client(address, texts[0], mode, warm)
@@ -172,26 +149,41 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
                      if mode.k and not mode.disable else None)
             rows.append({"mode": mode.key, "label": mode.label, "concurrency": c,
                          **bench_report.summarize(records, wall), "alpha": alpha,
-                         "services": services})
-        if level == 0 and hf is not None and hf_pair is not None:
-            from specmesh.bench_hf import run_assisted
-
-            advance = progress(f"{hf.label} @ 1", len(texts))
-            records, wall, forward = run_assisted(
-                *hf_pair, texts, k=opts.k, max_new_tokens=opts.max_new_tokens,
-                threads=opts.threads, device=opts.device, seed=opts.seed, progress=advance)
-            outputs[("hf", 1)] = records
-            rows.append({"mode": "hf", "label": hf.label, "concurrency": 1,
-                         **bench_report.summarize(records, wall), "alpha": None,
-                         "services": None,
-                         "hf_forward": forward})
-    bench_report.compare(rows, outputs)
-    target_1 = next((r for r in rows if r["mode"] == "target" and r["concurrency"] == 1), None)
-    costs = [cost_figures(target_1, r, opts.k, r["mode"]) for r in rows
-             if target_1 and r["concurrency"] == 1 and r["mode"] in ("model", "ngram")]
+                         **gateway_figures(services.get("gateway")), "services": services})
+        if level == 0 and hf_modes and hf_pair is not None:
+            rows += run_hf_rows(hf_pair, hf_modes, texts, opts, progress, outputs)
+    base = bench_baselines.compare(rows, outputs)
+    target_1 = next((r for r in rows if r["mode"] == TARGET_KEY and r["concurrency"] == 1), None)
+    costs = [cost_figures(target_1, r, mode.k, mode.drafter) for mode in gateway_modes
+             for r in rows if target_1 and r["concurrency"] == 1 and r["mode"] == mode.key
+             and not mode.disable]
     reference = {prompts[r["prompt_index"]]["id"]: r["token_ids"]
-                 for r in outputs.get(("target", opts.concurrency[0]), []) if not r["error"]}
-    return {"rows": rows, "costs": costs, "reference_outputs": reference}
+                 for r in outputs.get((TARGET_KEY, opts.concurrency[0]), []) if not r["error"]}
+    baselines = bench_baselines.baselines(rows, base, {m.key: m.label for m in modes})
+    return {"rows": rows, "costs": costs, "baselines": baselines, "reference_outputs": reference}
+
+
+def run_hf_rows(pair: tuple[str, str], modes: list[Mode], texts: list[str], opts: BenchOptions,
+                progress, outputs: dict) -> list[dict]:
+    """The HF rows (concurrency 1), the models loaded once for all of them; their records go
+    into ``outputs``."""
+    from specmesh.bench_hf import HfSetting, run_hf
+
+    labels = {m.key: m.label for m in modes}
+    results = run_hf(*pair, texts, [HfSetting(m.key, m.assistant, m.k) for m in modes],
+                     max_new_tokens=opts.max_new_tokens,
+                     threads=hf_threads(opts.threads, os.cpu_count()), device=opts.device,
+                     seed=opts.seed,
+                     progress=lambda s: progress(f"{labels[s.key]} @ 1", len(texts)))
+    rows = []
+    for m in modes:
+        res = results[m.key]
+        outputs[(m.key, 1)] = res.records
+        rows.append({"mode": m.key, "label": m.label, "concurrency": 1,
+                     **bench_report.summarize(res.records, res.wall_s), "alpha": None,
+                     **gateway_figures(None), "services": None, "hf_forward": res.forward,
+                     "hf_assistant": res.assistant})
+    return rows
 
 
 def stream_one_client(address: str, prompt: str, mode: Mode, opts: BenchOptions) -> dict:
@@ -199,45 +191,6 @@ def stream_one_client(address: str, prompt: str, mode: Mode, opts: BenchOptions)
 
     with GatewayClient(address) as client:
         return stream_one(client, 0, prompt, mode, opts)
-
-
-def count_params(path: str) -> int | None:
-    """Parameters stored in a local model directory's safetensors files (None elsewhere)."""
-    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    total = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            total += sum(math.prod(h.get_slice(name).get_shape()) for name in h.keys())
-    return total
-
-
-def machine_info() -> dict:
-    import grpc
-    import torch
-    import transformers
-
-    cpu = platform.processor() or "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in
-                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        root = Path(__file__).resolve().parent.parent
-        commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "torch": torch.__version__,
-            "torch_default_threads": torch.get_num_threads(),
-            "transformers": transformers.__version__, "grpcio": grpc.__version__,
-            "commit": commit, "load_average_start": list(os.getloadavg()),
-            "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 def _split(csv: str) -> list[str]:
@@ -250,7 +203,7 @@ def bench(
     drafter: Annotated[str, typer.Option("--drafter", "--draft",
                                          help="Draft model (with --target).")] = "",
     addr: Annotated[str, typer.Option(help="Benchmark this gateway instead of starting a local "
-                                           "mesh (the HF mode then needs --target/--drafter, "
+                                           "mesh (the HF rows then need --target/--drafter, "
                                            "the cost figures --verifiers/--drafters/"
                                            "--metrics-url).")] = "",
     verifiers: Annotated[str, typer.Option(help="With --addr: verifier HOST:PORT,... to read "
@@ -261,7 +214,8 @@ def bench(
                                                   "e.g. http://HOST:9464/metrics.")] = "",
     concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated.")
                            ] = "1,4,8",
-    k: Annotated[int, typer.Option(min=1, max=16, help="Fixed draft tokens per round.")] = 3,
+    k: Annotated[int, typer.Option(min=1, max=16, help="Draft tokens per round of the fixed-k "
+                                                   "modes (model, ngram, hf).")] = 3,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Per request.")] = 128,
     prompts: Annotated[int | None, typer.Option(min=1, help="Use only N of the shipped prompts "
                                                           "(code and prose mixed).")] = None,
@@ -270,22 +224,27 @@ def bench(
                            ] = None,
     modes: Annotated[str, typer.Option(help="Comma-separated, of: " + ", ".join(MODE_KEYS)
                                             + ".")] = ",".join(MODE_KEYS),
-    no_hf: Annotated[bool, typer.Option("--no-hf", help="Skip HF assisted generation.")] = False,
+    no_hf: Annotated[bool, typer.Option("--no-hf", help="Skip the in-process HF rows ("
+                                        + ", ".join(HF_KEYS) + ").")] = False,
     threads: Annotated[int, typer.Option(min=0, help="torch threads of each drafter and verifier "
-                                                     "process of the local mesh, and of the HF "
-                                                     "baseline (0 = torch's default).")] = 1,
+                                                     "process of the local mesh (0 = torch's "
+                                                     "default); the in-process HF rows get twice "
+                                                     "as many (the verifier's and the model "
+                                                     "drafter's together), at most the CPU "
+                                                     "count.")] = 1,
     device: Annotated[str, typer.Option(help="Device of the local mesh's models and of the HF "
-                                             "baseline.")] = "cpu",
+                                             "rows.")] = "cpu",
     out: Annotated[Path, typer.Option(help="Where bench.json, bench.md and the PNG plots go.")
                    ] = Path("bench-results"),
     seed: Annotated[int, typer.Option(help="Sampling seed sent with every request (greedy "
                                            "output does not depend on it).")] = 0,
     timeout: Annotated[float, typer.Option(help="Deadline of one request, seconds.")] = 600.0,
 ) -> None:
-    """Compare target-only decoding, SpecMesh (model drafter with fixed and adaptive k, n-gram
-    drafter) and HF assisted generation on one model pair and prompt set, at several
-    concurrency levels; write bench.json, bench.md and plots. Exits 1 when a request failed or
-    an output differs from target-only's."""
+    """Compare SpecMesh (model drafter with a fixed k and with the gateway's defaults, n-gram
+    drafter) with plain HF generate (the speedup base), HF assisted generation (fixed k and its
+    own defaults) and target-only decoding through the same gateway, on one model pair and
+    prompt set, at several concurrency levels; write bench.json, bench.md and plots. Exits 1
+    when a request failed or an output differs from target-only's."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -298,6 +257,9 @@ def bench(
         console = Console(width=200)
     machine = machine_info()
     keys = _split(modes)
+    if "adaptive" in keys:
+        raise typer.BadParameter("--modes: `adaptive` is now `default` (num_draft_tokens=0, "
+                                 "the gateway's default policy)")
     if not keys or set(keys) - set(MODE_KEYS):
         raise typer.BadParameter(f"--modes takes {', '.join(MODE_KEYS)}; got {modes!r}")
     try:
@@ -308,21 +270,19 @@ def bench(
         raise typer.BadParameter("--concurrency takes distinct positive integers, e.g. 1,4,8")
     if bool(target) != bool(drafter):
         raise typer.BadParameter("give both --target and --drafter, or neither")
-    keys = [x for x in keys if not (no_hf and x == "hf")]
+    keys = [x for x in keys if not (no_hf and x in HF_KEYS)]
     opts = BenchOptions(concurrency=levels, k=k, max_new_tokens=max_new_tokens, threads=threads,
                         device=device, seed=seed, timeout_s=timeout)
     chosen = load_prompts(prompt_file or PROMPTS_PATH, prompts)
     mode_list = make_modes(keys, k)
-    notes = []
     if not addr and not target:
         from specmesh.cli import _default_pair
 
         with err.status("finding the demo model pair"):
             target, drafter = _default_pair()
     hf_pair = (target, drafter) if target else None
-    if "hf" in keys:
-        notes.append(HF_NOTE if hf_pair else "HF assisted generation skipped: with --addr it "
-                                             "needs --target and --drafter.")
+    notes = bench_report.hf_notes(keys, hf_pair is not None, threads, os.cpu_count(),
+                                  remote=bool(addr))
     address = addr or "local mesh"  # as the report names it
     with command_mesh(err) as start_mesh:
         if addr:
@@ -355,39 +315,20 @@ def bench(
     report = {
         "machine": {**machine, "load_average_end": list(os.getloadavg())},
         "settings": {"concurrency": levels, "k": k, "max_new_tokens": max_new_tokens,
-                     "modes": keys, "threads": threads, "device": device, "seed": seed,
+                     "modes": keys, "threads": threads,
+                     "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
+                     "seed": seed,
                      "address": address,
                      "prompts": [{x: p[x] for x in ("id", "kind", "source")} for p in chosen]},
         "models": {role: {"name": name, "params": count_params(name) if name else None}
                    for role, name in names.items()},
         "notes": notes, **results,
     }
-    report["targets"] = bench_report.targets(report["rows"], report["costs"])
-    _cost_notes(report)
+    report["targets"] = bench_baselines.targets(report["rows"])
+    report["notes"] += bench_report.run_notes(report)
     files = bench_report.write_outputs(report, out)
     bench_report.render(report, console)
     err.print("wrote " + ", ".join(str(f) for f in files))
     if any(r["errors"] for r in report["rows"]) or any(r["outputs_match"] is False
                                                        for r in report["rows"]):
         raise typer.Exit(1)
-
-
-def _cost_notes(report: dict) -> None:
-    notes = report["notes"]
-    rows = [r for r in report["rows"] if r.get("services")]
-    if rows and not any((r["services"].get("verifier") or {}).get("forward_passes")
-                        for r in rows):
-        notes.append("No forward_ms/forward_passes from the services' GetStats (with --addr: "
-                     "give --verifiers and --drafters): c, c_v, the bound and the efficiency "
-                     "are n/a.")
-    if rows and not any((r["services"].get("gateway") or {}).get("verify_compute_s") is not None
-                        for r in rows):
-        notes.append("No specmesh_round_draft_compute_seconds / "
-                     "specmesh_round_verify_compute_seconds from the gateway (with --addr: give "
-                     "--metrics-url): the overhead is n/a.")
-    if any(r["mode"] == "adaptive" for r in report["rows"]):
-        notes.append("Adaptive k: the gateway picks k per round, so it has no single bound.")
-    la = report["machine"]["load_average_start"]
-    notes.append(f"Load average (1 min) at start {la[0]:.2f}, at end "
-                 f"{report['machine']['load_average_end'][0]:.2f}, on "
-                 f"{report['machine']['cores']} cores.")

@@ -6,12 +6,16 @@ Sources, snapshotted before and after every (mode, concurrency) cell and differe
 * the drafters' and verifiers' ``GetStats`` (common.proto ``ReplicaStats``): ``forward_ms``,
   ``forward_passes``, ``batched_calls``, ``draft_tokens``, ...;
 * the gateway's Prometheus endpoint: ``specmesh_round_duration_seconds``,
-  ``specmesh_round_draft_compute_seconds``, ``specmesh_round_verify_compute_seconds``
-  (histograms: ``_sum``/``_count``), ``specmesh_rounds_total`` and
-  ``specmesh_pipeline_drafts_total{outcome="used"|"dropped"|"none"}``.
+  ``specmesh_round_draft_compute_seconds``, ``specmesh_round_verify_compute_seconds``,
+  ``specmesh_round_gateway_seconds`` (the gateway's own orchestration time per round) and
+  ``specmesh_spec_cache_fanout`` (branches per prepared speculation tree) (histograms:
+  ``_sum``/``_count``), ``specmesh_rounds_total`` and
+  ``specmesh_pipeline_drafts_total{outcome="used"|"dropped"|"none"}`` (the speculation cache:
+  a round's draft was ready and used, prepared but dropped, or not prepared).
 
-A figure whose inputs are missing or zero (a service that does not record it yet, a remote mesh
-without addresses) is None, shown as "n/a".
+A figure whose inputs are missing or zero (a service that does not record it yet, a gateway
+version that does not export the series, a remote mesh without addresses) is None, shown as
+"n/a".
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ GATEWAY_SERIES = {  # our key: (Prometheus sample name, required labels)
     "pipeline_used": ("specmesh_pipeline_drafts_total", {"outcome": "used"}),
     "pipeline_dropped": ("specmesh_pipeline_drafts_total", {"outcome": "dropped"}),
     "pipeline_none": ("specmesh_pipeline_drafts_total", {"outcome": "none"}),
+    "gateway_s": ("specmesh_round_gateway_seconds_sum", {}),
+    "gateway_count": ("specmesh_round_gateway_seconds_count", {}),
+    "fanout_sum": ("specmesh_spec_cache_fanout_sum", {}),
+    "fanout_count": ("specmesh_spec_cache_fanout_count", {}),
 }
 
 
@@ -63,6 +71,28 @@ def overhead_per_round(round_s: float | None, draft_s: float | None, verify_s: f
         return None, None
     rest = round_s - draft_s - verify_s
     return rest / rounds * 1000.0, rest / round_s
+
+
+def cache_hit(used: float | None, dropped: float | None, none: float | None) -> float | None:
+    """The speculation cache's hit rate: rounds whose draft was ready and used / rounds counted
+    (used + dropped + none); a counter not exported yet counts 0 when another one is."""
+    counts = (used, dropped, none)
+    if all(x is None for x in counts):
+        return None
+    return ratio(used or 0.0, sum(x or 0.0 for x in counts))
+
+
+def gateway_figures(gateway: dict | None) -> dict:
+    """A cell's gateway figures from its Prometheus deltas (``ServiceProbe.delta``'s "gateway"):
+    ``cache_hit``, ``fanout`` (mean branches per prepared speculation tree) and
+    ``gateway_ms_per_round`` (the gateway's orchestration time per round); None where a series
+    is absent or counted nothing."""
+    g = gateway or {}
+    gateway_s = ratio(g.get("gateway_s"), g.get("gateway_count"))
+    return {"cache_hit": cache_hit(g.get("pipeline_used"), g.get("pipeline_dropped"),
+                                   g.get("pipeline_none")),
+            "fanout": ratio(g.get("fanout_sum"), g.get("fanout_count")),
+            "gateway_ms_per_round": None if gateway_s is None else gateway_s * 1000.0}
 
 
 # --- snapshots of the services --------------------------------------------------------------
@@ -173,12 +203,13 @@ def _get(d: dict | None, *path):
 
 def cost_figures(target_row: dict, spec_row: dict, k: int, drafter: str) -> dict:
     """The cost figures of one speculative row against the target-only row of the same
-    concurrency (both with their ``services`` deltas and ``speedup``/``alpha`` filled in).
+    concurrency (both with their ``services`` deltas; ``vs_target``, its tokens/s over the
+    target-only row's, and ``alpha`` filled in). k = 0: the gateway's default, no bound.
 
     t = verifier forward_ms / forward_passes in the target-only row (one target step);
     c = (drafter forward_ms / drafted tokens) / t, 0 for the prompt-lookup drafter (no model);
     c_v = (verifier forward_ms / forward_passes in the speculative row) / t;
-    bound = E(α, k) / (k·c + c_v); efficiency = observed speedup / bound."""
+    bound = E(α, k) / (k·c + c_v); efficiency = observed speedup over target-only / bound."""
     ts, ss = target_row.get("services"), spec_row.get("services")
     t = ratio(_get(ts, "verifier", "forward_ms"), _get(ts, "verifier", "forward_passes"))
     if drafter == "ngram":
@@ -191,23 +222,21 @@ def cost_figures(target_row: dict, spec_row: dict, k: int, drafter: str) -> dict
     c_v = ratio(verify_ms, t)
     alpha = spec_row.get("alpha")
     bound = expected = None
-    if alpha is not None:
+    if alpha is not None and k > 0:
         expected = expected_tokens(alpha, k)
         if c is not None and c_v is not None:
             bound = speedup_bound(alpha, k, c, c_v)
     g = _get(ss, "gateway")
     over_ms, over_frac = overhead_per_round(_get(g, "round_s"), _get(g, "draft_compute_s"),
                                             _get(g, "verify_compute_s"), _get(g, "round_count"))
-    pipeline = [_get(g, key) for key in ("pipeline_used", "pipeline_dropped", "pipeline_none")]
-    used = (pipeline[0] or 0.0) if any(x is not None for x in pipeline) else None
+    observed = spec_row.get("vs_target")
     return {
         "mode": spec_row["mode"], "label": spec_row["label"],
         "concurrency": spec_row["concurrency"], "k": k, "alpha": alpha,
         "target_step_ms": t, "c": c, "c_v": c_v, "verify_pass_ms": verify_ms,
         "expected_tokens_per_round": expected,
         "observed_tokens_per_round": spec_row.get("tokens_per_round"),
-        "bound": bound, "speedup": spec_row.get("speedup"),
-        "efficiency": efficiency(spec_row.get("speedup"), bound),
+        "bound": bound, "vs_target": observed, "efficiency": efficiency(observed, bound),
         "overhead_ms_per_round": over_ms, "overhead_fraction": over_frac,
-        "pipeline_used_fraction": ratio(used, sum(x or 0 for x in pipeline)),
+        **gateway_figures(g),
     }

@@ -1,5 +1,6 @@
-"""Figures and output files of `specmesh bench`: one row per (mode, concurrency), the comparisons
-with target-only decoding, the issue's targets, bench.json, bench.md and the PNG plots."""
+"""Figures and output files of `specmesh bench`: one row per (mode, concurrency), the notes on
+what a run measured, the tables (console and bench.md), bench.json and the PNG plots. The
+comparisons and the targets are specmesh.bench_baselines'."""
 
 from __future__ import annotations
 
@@ -8,21 +9,11 @@ import statistics
 from pathlib import Path
 
 from specmesh.bench_costs import ratio
+from specmesh.bench_modes import HF_KEYS, PLAIN_KEY, TARGET_KEY, hf_threads, hf_threads_note
 from specmesh.loadtest import percentiles
 
-TARGET_MODE = "target"
-TARGETS = (  # (key, what, comparison, threshold): the "done when" figures of issue #4
-    ("speedup", "speedup of SpecMesh (model drafter, fixed k) over target-only, concurrency 1",
-     ">=", 1.8),
-    ("vs_hf", "tokens/s of SpecMesh (model drafter, fixed k) / HF assisted generation, "
-              "concurrency 1", ">=", 1.1),
-    ("efficiency", "efficiency = observed speedup / bound (model drafter, concurrency 1)",
-     ">=", 0.8),
-    ("overhead", "orchestration overhead, fraction of round time (model drafter, "
-                 "concurrency 1)", "<=", 0.15),
-    ("scaling", "aggregate tokens/s at concurrency 8 / at concurrency 1 (model drafter, "
-                "fixed k)", ">=", 2.5),
-)
+HF_NOTE = ("HF rows run at concurrency 1 only (assisted generation supports batch size 1), one "
+           "prompt after another, in the bench process, while the mesh is idle.")
 
 
 def per_token_alpha(records: list[dict], k: int, max_new_tokens: int) -> float | None:
@@ -74,48 +65,59 @@ def summarize(records: list[dict], wall_s: float) -> dict:
     }
 
 
-def compare(rows: list[dict], outputs: dict[tuple[str, int], list[dict]]) -> None:
-    """Fills each row's ``speedup`` (its tokens/s over target-only's at the same concurrency)
-    and ``outputs_match`` (every output equals target-only's for the same prompt, at the first
-    concurrency measured: the lossless guarantee; None without a target-only row)."""
-    base = {r["concurrency"]: r for r in rows if r["mode"] == TARGET_MODE}
-    first = next((r["concurrency"] for r in rows if r["mode"] == TARGET_MODE), None)
-    reference = {rec["prompt_index"]: rec["token_ids"]
-                 for rec in outputs.get((TARGET_MODE, first), []) if not rec["error"]}
-    for row in rows:
-        b = base.get(row["concurrency"])
-        row["speedup"] = ratio(row["tokens_per_s"], b["tokens_per_s"]) if b else None
-        if first is None:
-            row["outputs_match"], row["mismatched_prompts"] = None, []
-            continue
-        bad = sorted({rec["prompt_index"] for rec in outputs[(row["mode"], row["concurrency"])]
-                      if not rec["error"] and rec["prompt_index"] in reference
-                      and rec["token_ids"] != reference[rec["prompt_index"]]})
-        row["outputs_match"], row["mismatched_prompts"] = not bad, bad
+def hf_notes(keys: list[str], have_pair: bool, threads: int, cpus: int | None,
+             remote: bool) -> list[str]:
+    """Notes on the HF rows: how they run, their threads, or why they did not."""
+    if not set(keys) & set(HF_KEYS):
+        return []
+    if not have_pair:
+        return ["HF rows skipped: with --addr they need --target and --drafter."]
+    return [HF_NOTE, hf_threads_note(threads, hf_threads(threads, cpus), cpus, remote)]
 
 
-def targets(rows: list[dict], costs: list[dict], model_mode: str = "model",
-            hf_mode: str = "hf") -> list[dict]:
-    """The issue's targets with their measured value and pass/fail (None: not measured)."""
-    def row(mode: str, c: int) -> dict:
-        return next((r for r in rows if r["mode"] == mode and r["concurrency"] == c), {})
+GATEWAY_FIGURES = (  # row key, what, the series it needs
+    ("cache_hit", "cache hit", "specmesh_pipeline_drafts_total"),
+    ("fanout", "fan-out", "specmesh_spec_cache_fanout"),
+    ("gateway_ms_per_round", "gateway ms/round", "specmesh_round_gateway_seconds"),
+)
 
-    cost = next((x for x in costs if x["mode"] == model_mode and x["concurrency"] == 1), {})
-    values = {
-        "speedup": row(model_mode, 1).get("speedup"),
-        "vs_hf": ratio(row(model_mode, 1).get("tokens_per_s"), row(hf_mode, 1).get("tokens_per_s")),
-        "efficiency": cost.get("efficiency"),
-        "overhead": cost.get("overhead_fraction"),
-        "scaling": ratio(row(model_mode, 8).get("tokens_per_s"),
-                         row(model_mode, 1).get("tokens_per_s")),
-    }
-    out = []
-    for key, what, op, threshold in TARGETS:
-        v = values[key]
-        passed = None if v is None else (v <= threshold if op == "<=" else v >= threshold)
-        out.append({"key": key, "what": what, "comparison": op, "threshold": threshold,
-                    "value": v, "passed": passed})
-    return out
+
+def run_notes(report: dict) -> list[str]:
+    """Notes on what the run measured: the speedup base, figures that are n/a and why, the
+    HF assistant's settings, the load."""
+    notes, rows = [], report["rows"]
+    if report["baselines"]["speedup_base"] != PLAIN_KEY:
+        notes.append("No plain HF generate row (hf-plain not run): speedups are over SpecMesh "
+                     "target-only at the same concurrency, serving-path overhead included.")
+    for r in rows:
+        if r.get("hf_assistant") and r["mode"] == "hf-default":
+            notes.append(f"{r['label']}: the draft's generation_config as saved; transformers "
+                         "reads these from the assistant's config: " + ", ".join(
+                             f"{k}={v}" for k, v in r["hf_assistant"].items()) + ".")
+    spec = [r for r in rows if r.get("services") and r["mode"] != TARGET_KEY]
+    for key, what, series in GATEWAY_FIGURES:
+        if spec and all(r.get(key) is None for r in spec):
+            notes.append(f"No {series} counts from the gateway (a gateway that does not "
+                         f"export it, none recorded, or with --addr no --metrics-url): {what} "
+                         "is n/a.")
+    served = [r for r in rows if r.get("services")]
+    if served and not any((r["services"].get("verifier") or {}).get("forward_passes")
+                          for r in served):
+        notes.append("No forward_ms/forward_passes from the services' GetStats (with --addr: "
+                     "give --verifiers and --drafters): c, c_v, the bound and the efficiency "
+                     "are n/a.")
+    if served and not any((r["services"].get("gateway") or {}).get("verify_compute_s")
+                          is not None for r in served):
+        notes.append("No specmesh_round_draft_compute_seconds / "
+                     "specmesh_round_verify_compute_seconds from the gateway (with --addr: give "
+                     "--metrics-url): the overhead is n/a.")
+    if any(r["mode"] == "default" for r in rows):
+        notes.append("SpecMesh (gateway defaults) leaves k to the gateway, so the bench knows "
+                     "no k for it: no α and no bound.")
+    m = report["machine"]
+    notes.append(f"Load average (1 min) at start {m['load_average_start'][0]:.2f}, at end "
+                 f"{m['load_average_end'][0]:.2f}, on {m['cores']} cores.")
+    return notes
 
 
 def fmt(value, spec: str = ".2f", suffix: str = "") -> str:
@@ -126,51 +128,74 @@ def fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+def _pct(value: float | None) -> float | None:
+    return None if value is None else value * 100
+
+
 ROW_COLUMNS = (("mode", None), ("concurrency", "d"), ("tokens/s", ".1f"),
-               ("per-request tokens/s", ".1f"), ("speedup", ".2f"), ("tokens/round", ".2f"),
-               ("acceptance", ".3f"), ("α", ".3f"), ("TTFT p50 (ms)", ".1f"),
-               ("outputs match", None),
-               ("errors", "d"))
+               ("per-request tokens/s", ".1f"), ("speedup", ".2f"), ("vs target-only", ".2f"),
+               ("tokens/round", ".2f"), ("acceptance", ".3f"), ("α", ".3f"),
+               ("TTFT p50 (ms)", ".1f"), ("cache hit", ".0f"), ("fan-out", ".2f"),
+               ("gateway ms/round", ".3f"), ("outputs match", None), ("errors", "d"))
 
 
 def row_cells(r: dict) -> list[str]:
     return [r["label"], str(r["concurrency"]), fmt(r["tokens_per_s"], ".1f"),
             fmt(r["per_request_tokens_per_s"], ".1f"), fmt(r["speedup"], ".2f", "x"),
-            fmt(r["tokens_per_round"]), fmt(r["acceptance"], ".3f"), fmt(r.get("alpha"), ".3f"),
-            fmt(r["ttft_p50_ms"], ".1f"),
+            fmt(r.get("vs_target"), ".2f", "x"), fmt(r["tokens_per_round"]),
+            fmt(r["acceptance"], ".3f"), fmt(r.get("alpha"), ".3f"),
+            fmt(r["ttft_p50_ms"], ".1f"), fmt(_pct(r.get("cache_hit")), ".0f", "%"),
+            fmt(r.get("fanout")), fmt(r.get("gateway_ms_per_round"), ".3f"),
             fmt(r["outputs_match"]), str(r["errors"])]
 
 
-COST_COLUMNS = ("mode", "α", "k", "c", "c_v", "E(α,k)", "tokens/round", "bound", "speedup",
-                "efficiency", "overhead ms/round", "overhead %", "pipeline used")
+COST_COLUMNS = ("mode", "α", "k", "c", "c_v", "E(α,k)", "tokens/round", "bound",
+                "vs target-only", "efficiency", "overhead ms/round", "overhead %", "cache hit")
 
 
 def cost_cells(x: dict) -> list[str]:
-    pct = (lambda v: None if v is None else v * 100)  # noqa: E731
-    return [x["label"], fmt(x["alpha"], ".3f"), str(x["k"]), fmt(x["c"], ".3f"),
-            fmt(x["c_v"], ".3f"), fmt(x["expected_tokens_per_round"]),
+    return [x["label"], fmt(x["alpha"], ".3f"), str(x["k"]) if x["k"] else "gateway",
+            fmt(x["c"], ".3f"), fmt(x["c_v"], ".3f"), fmt(x["expected_tokens_per_round"]),
             fmt(x["observed_tokens_per_round"]), fmt(x["bound"], ".2f", "x"),
-            fmt(x["speedup"], ".2f", "x"), fmt(x["efficiency"]),
-            fmt(x["overhead_ms_per_round"], ".2f"), fmt(pct(x["overhead_fraction"]), ".1f", "%"),
-            fmt(pct(x["pipeline_used_fraction"]), ".0f", "%")]
+            fmt(x["vs_target"], ".2f", "x"), fmt(x["efficiency"]),
+            fmt(x["overhead_ms_per_round"], ".2f"), fmt(_pct(x["overhead_fraction"]), ".1f", "%"),
+            fmt(_pct(x["cache_hit"]), ".0f", "%")]
 
 
-def _md_table(header, rows: list[list[str]]) -> list[str]:
-    align = ["---"] + ["---:"] * (len(header) - 1)
+def baseline_lines(report: dict) -> list[str]:
+    """The speedup base and the serving path's overhead, in words."""
+    b = report["baselines"]
+    return [f"Speedup base: {b['speedup_base_label']}.",
+            "Serving-path overhead (plain HF generate tokens/s / SpecMesh target-only tokens/s, "
+            f"concurrency 1): {fmt(b['serving_path_overhead'], '.2f', 'x')}."]
+
+
+def target_cells(t: dict, labels: dict[str, str]) -> list[str]:
+    mark = {True: "pass", False: "**fail**", None: "n/a"}[t["passed"]]
+    return [labels.get(t["mode"], t["mode"]), t["what"], f"{t['comparison']} {t['threshold']:g}",
+            fmt(t["value"], ".3f"), mark]
+
+
+def _md_table(header, rows: list[list[str]], left: int = 1) -> list[str]:
+    """A markdown table, its first ``left`` columns left-aligned, the others right-aligned."""
+    align = ["---"] * left + ["---:"] * (len(header) - left)
     return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|",
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def markdown(report: dict) -> str:
     s, m = report["settings"], report["machine"]
+    labels = {r["mode"]: r["label"] for r in report["rows"]}
     lines = [f"# specmesh bench, {m['date']}", "",
              f"Target {report['models']['target']['name']} "
              f"({fmt(report['models']['target']['params'], ',')} params), draft "
              f"{report['models']['draft']['name']} "
              f"({fmt(report['models']['draft']['params'], ',')} params); {len(s['prompts'])} "
              f"prompts, greedy, max_new_tokens {s['max_new_tokens']}, k {s['k']}, torch threads "
-             f"{s['threads']} per process; {m['cpu']} ({m['cores']} cores), torch {m['torch']}.",
-             "", *_md_table([c for c, _ in ROW_COLUMNS], [row_cells(r) for r in report["rows"]]),
+             f"{s['threads']} per mesh process, {s['hf_threads']} in process (HF rows); "
+             f"{m['cpu']} ({m['cores']} cores), torch {m['torch']}.", "",
+             *baseline_lines(report), "",
+             *_md_table([c for c, _ in ROW_COLUMNS], [row_cells(r) for r in report["rows"]]),
              ""]
     lines += [f"- {note}" for note in report["notes"]] + [""]
     lines += ["## Costs (concurrency 1)", "",
@@ -178,30 +203,29 @@ def markdown(report: dict) -> str:
               "c_v = verifier ms per pass when speculating / t; α = per-token acceptance rate "
               "(maximum likelihood from the rounds: accepted / (accepted + first rejections)); "
               "bound = E(α,k) / (k·c + c_v), "
-              "E(α,k) = (1 − α^(k+1)) / (1 − α); efficiency = speedup / bound; overhead = round "
-              "time − draft compute − verify compute.", ""]
+              "E(α,k) = (1 − α^(k+1)) / (1 − α); efficiency = (tokens/s over target-only) / "
+              "bound; overhead = round time − draft compute − verify compute; cache hit = "
+              "rounds whose draft was ready and used / rounds.", ""]
     lines += _md_table(COST_COLUMNS, [cost_cells(x) for x in report["costs"]]) + [""]
-    lines += ["## Targets (issue #4)", "", "| target | threshold | measured | pass |",
-              "|---|---:|---:|---|"]
-    for t in report["targets"]:
-        mark = {True: "pass", False: "**fail**", None: "n/a"}[t["passed"]]
-        lines.append(f"| {t['what']} | {t['comparison']} {t['threshold']:g} | "
-                     f"{fmt(t['value'], '.3f')} | {mark} |")
+    lines += ["## Targets (issue #14)", "",
+              *_md_table(["mode", "target", "threshold", "measured", "pass"],
+                         [target_cells(t, labels) for t in report["targets"]], left=2)]
     return "\n".join(lines) + "\n"
 
 
 def plots(report: dict, out: Path) -> list[Path]:
     """tokens_per_s.png (aggregate tokens/s vs concurrency, one line per mode) and speedup.png
-    (speedup over target-only vs concurrency)."""
+    (speedup over the speedup base vs concurrency)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = list(dict.fromkeys(r["label"] for r in report["rows"]))
+    base = report["baselines"]["speedup_base_label"]
     paths = []
     for key, ylabel, name in (("tokens_per_s", "aggregate tokens/s", "tokens_per_s.png"),
-                              ("speedup", "speedup over target-only", "speedup.png")):
+                              ("speedup", f"speedup over {base}", "speedup.png")):
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
         for label in modes:
             pts = [(r["concurrency"], r[key]) for r in report["rows"]
@@ -209,12 +233,12 @@ def plots(report: dict, out: Path) -> list[Path]:
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=label)
         ax.set_xlabel("concurrency (streams)")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(ylabel, fontsize="small")
         ax.set_xticks(report["settings"]["concurrency"])
         ax.grid(alpha=0.3)
         if ax.lines:  # nothing to label when every request of a mode failed
             ax.legend(fontsize="small")
-        ax.set_title(f"specmesh bench: {ylabel}")
+        ax.set_title(f"specmesh bench: {key.replace('_', ' ')}")
         fig.tight_layout()
         fig.savefig(out / name)
         plt.close(fig)
@@ -242,15 +266,16 @@ def render(report: dict, console) -> None:
         for detail in r["error_details"]:
             console.print(f"[red]error[/] {r['label']} @ {r['concurrency']}: {detail}",
                           markup=True, highlight=False)
-    for note in report["notes"]:
-        console.print(f"note: {note}")
+    for line in baseline_lines(report) + [f"note: {n}" for n in report["notes"]]:
+        console.print(line, markup=False, highlight=False)
     costs = Table(title="costs at concurrency 1")
     for name in COST_COLUMNS:
         costs.add_column(name, justify="left" if name == "mode" else "right")
     for x in report["costs"]:
         costs.add_row(*cost_cells(x))
     console.print(costs)
+    labels = {r["mode"]: r["label"] for r in report["rows"]}
     for t in report["targets"]:
-        mark = {True: "[green]pass[/]", False: "[red]fail[/]", None: "n/a"}[t["passed"]]
-        console.print(f"{mark}  {t['what']} {t['comparison']} {t['threshold']:g}: "
-                      f"{fmt(t['value'], '.3f')}")
+        mode, what, threshold, value, mark = target_cells(t, labels)
+        mark = {"pass": "[green]pass[/]", "**fail**": "[red]fail[/]"}.get(mark, mark)
+        console.print(f"{mark}  {mode}: {what} {threshold}: {value}", highlight=False)

@@ -64,14 +64,16 @@ def _stats(forward_ms=0.0, passes=0, drafted=0):
 
 def test_cost_figures_by_hand():
     target = {"services": {"verifier": _stats(100.0, 50)}}  # t = 2 ms
-    spec = {"mode": "model", "label": "m", "concurrency": 1, "alpha": 0.5, "speedup": 0.5,
-            "tokens_per_round": 1.8,
+    spec = {"mode": "model", "label": "m", "concurrency": 1, "alpha": 0.5, "vs_target": 0.5,
+            "speedup": 9.0, "tokens_per_round": 1.8,  # speedup (over hf-plain) is not used
             "services": {"verifier": _stats(120.0, 40),  # 3 ms per pass: c_v = 1.5
                          "drafter_model": _stats(30.0, 60, drafted=60),  # 0.5 ms: c = 0.25
                          "gateway": {"round_s": 2.0, "round_count": 100,
                                      "draft_compute_s": 0.5, "verify_compute_s": 1.2,
                                      "pipeline_used": 30.0, "pipeline_dropped": None,
-                                     "pipeline_none": 10.0}}}
+                                     "pipeline_none": 10.0, "gateway_s": 0.05,
+                                     "gateway_count": 100, "fanout_sum": 60.0,
+                                     "fanout_count": 40.0}}}
     x = cost_figures(target, spec, 3, "model")
     assert x["target_step_ms"] == pytest.approx(2.0)
     assert x["c"] == pytest.approx(0.25) and x["c_v"] == pytest.approx(1.5)
@@ -80,19 +82,25 @@ def test_cost_figures_by_hand():
     assert x["efficiency"] == pytest.approx(0.5 / (1.875 / 2.25))  # = 0.6
     assert x["overhead_ms_per_round"] == pytest.approx(3.0)
     assert x["overhead_fraction"] == pytest.approx(0.15)
-    assert x["pipeline_used_fraction"] == pytest.approx(0.75)  # 30 of 40
+    assert x["cache_hit"] == pytest.approx(0.75)  # 30 of 40
+    assert x["fanout"] == pytest.approx(1.5)  # 60 branches / 40 trees
+    assert x["gateway_ms_per_round"] == pytest.approx(0.5)  # 50 ms / 100 rounds
+    assert x["vs_target"] == 0.5
 
 
 def test_cost_figures_are_none_when_the_services_report_zeros():
     target = {"services": {"verifier": _stats()}}
-    spec = {"mode": "model", "label": "m", "concurrency": 1, "alpha": 0.5, "speedup": 0.9,
+    spec = {"mode": "model", "label": "m", "concurrency": 1, "alpha": 0.5, "vs_target": 0.9,
             "services": {"verifier": _stats(), "drafter_model": _stats(drafted=10),
                          "gateway": None}}
     x = cost_figures(target, spec, 3, "model")
     assert x["c"] is None and x["c_v"] is None and x["bound"] is None
     assert x["efficiency"] is None and x["overhead_fraction"] is None
-    assert x["pipeline_used_fraction"] is None
+    assert x["cache_hit"] is None and x["fanout"] is None
+    assert x["gateway_ms_per_round"] is None
     assert x["expected_tokens_per_round"] == pytest.approx(1.875)
+    # k = 0 (the gateway's default): no k, so no E(α, k) and no bound
+    assert cost_figures(target, spec, 0, "model")["expected_tokens_per_round"] is None
 
 
 def test_parse_gateway_metrics():
@@ -110,6 +118,18 @@ def test_parse_gateway_metrics():
     assert m["rounds"] == 40.0 and m["round_count"] == 40.0 and m["round_s"] == 0.5
     assert m["pipeline_used"] == 7.0 and m["pipeline_dropped"] == 2.0
     assert m["pipeline_none"] is None and m["verify_compute_s"] is None  # not exported
+    assert m["gateway_s"] is None and m["fanout_sum"] is None and m["fanout_count"] is None
+    text += "\n".join([
+        "# TYPE specmesh_spec_cache_fanout histogram",
+        'specmesh_spec_cache_fanout_bucket{le="+Inf"} 4.0',
+        "specmesh_spec_cache_fanout_count 4.0", "specmesh_spec_cache_fanout_sum 10.0",
+        "# TYPE specmesh_round_gateway_seconds histogram",
+        'specmesh_round_gateway_seconds_bucket{le="+Inf"} 40.0',
+        "specmesh_round_gateway_seconds_count 40.0",
+        "specmesh_round_gateway_seconds_sum 0.02", ""])
+    m = parse_gateway_metrics(text)
+    assert (m["fanout_sum"], m["fanout_count"]) == (10.0, 4.0)
+    assert (m["gateway_s"], m["gateway_count"]) == (0.02, 40.0)
 
 
 def test_summarize_by_hand():
@@ -171,27 +191,48 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
     assert result.exit_code == 0, (result.output, [(r["label"], r["concurrency"],
                                                     r["error_details"]) for r in report["rows"]])
     rows = {(r["mode"], r["concurrency"]): r for r in report["rows"]}
-    gateway_modes = ("target", "model", "adaptive", "ngram")
-    assert set(rows) == {(m, c) for m in gateway_modes for c in (1, 2)} | {("hf", 1)}
+    gateway_modes = ("target", "model", "default", "ngram")
+    hf_modes = ("hf-plain", "hf", "hf-default")
+    assert set(rows) == ({(m, c) for m in gateway_modes for c in (1, 2)}
+                         | {(m, 1) for m in hf_modes})
+    plain = rows[("hf-plain", 1)]
     for (mode, c), r in rows.items():
         assert r["errors"] == 0, r["error_details"]
         assert r["requests"] == 3  # every prompt once per level
         assert r["outputs_match"] is True, (mode, c, r["mismatched_prompts"])  # lossless
         assert r["tokens_per_round"] >= 1.0
-        base = rows[("target", c)]
-        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
+        # the speedup base is plain HF generate (concurrency 1) for every row
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+        if mode not in hf_modes:
+            assert r["vs_target"] == pytest.approx(
+                r["tokens_per_s"] / rows[("target", c)]["tokens_per_s"])
     for c in (1, 2):
         assert rows[("target", c)]["tokens_per_round"] == 1.0
-        assert rows[("target", c)]["speedup"] == 1.0
+        assert rows[("target", c)]["vs_target"] == 1.0
+    assert plain["speedup"] == 1.0 and plain["tokens_per_round"] == 1.0
+    assert rows[("hf-default", 1)]["hf_assistant"] == {
+        "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.4}  # the tiny draft's config sets none of them
+    assert rows[("hf", 1)]["hf_assistant"]["num_assistant_tokens"] == 3
+    assert report["baselines"]["speedup_base"] == "hf-plain"
+    assert report["baselines"]["serving_path_overhead"] == pytest.approx(
+        plain["tokens_per_s"] / rows[("target", 1)]["tokens_per_s"])
+    assert report["settings"]["hf_threads"] == min(2, report["machine"]["cores"])
     assert len(report["reference_outputs"]) == 3
-    assert {x["mode"] for x in report["costs"]} == {"model", "ngram"}
-    assert [t["key"] for t in report["targets"]] == ["speedup", "vs_hf", "efficiency",
-                                                      "overhead", "scaling"]
+    assert {x["mode"] for x in report["costs"]} == {"model", "default", "ngram"}
+    assert {(t["mode"], t["key"]) for t in report["targets"]} == (
+        {(m, key) for m in ("model", "default") for key in (
+            "vs_hf_plain", "vs_hf_assisted", "cache_hit", "gateway_ms", "scaling",
+            "vs_target_8")} | {("all", "lossless")})
+    lossless = next(t for t in report["targets"] if t["key"] == "lossless")
+    assert lossless["value"] == 1.0 and lossless["passed"] is True
     assert report["machine"]["cores"] >= 1 and report["machine"]["torch"]
     assert report["models"]["target"]["params"] > report["models"]["draft"]["params"] > 0
 
     md = (out / "bench.md").read_text()
     assert "| mode | concurrency | tokens/s |" in md
+    assert "| cache hit | fan-out | gateway ms/round |" in md
+    assert "Speedup base: HF generate (plain, no assistant), concurrency 1." in md
     for r in report["rows"]:
         assert r["label"] in md
     for name in ("tokens_per_s.png", "speedup.png"):

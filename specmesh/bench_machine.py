@@ -1,0 +1,50 @@
+"""What `specmesh bench` records about the machine and the models: CPU, cores, versions, the
+commit, the load average, and the parameter count of a local model directory."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+
+def count_params(path: str) -> int | None:
+    """Parameters stored in a local model directory's safetensors files (None elsewhere)."""
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            total += sum(math.prod(h.get_slice(name).get_shape()) for name in h.keys())
+    return total
+
+
+def machine_info() -> dict:
+    import grpc
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in
+                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        root = Path(__file__).resolve().parent.parent
+        commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "torch": torch.__version__,
+            "torch_default_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__, "grpcio": grpc.__version__,
+            "commit": commit, "load_average_start": list(os.getloadavg()),
+            "date": datetime.now(UTC).isoformat(timespec="seconds")}

@@ -1,0 +1,75 @@
+"""`specmesh bench`'s in-process HF rows on the tiny pair: plain generate gives the target's own
+greedy token ids, assisted generation (fixed k and HF's defaults) gives the same ones, the
+counts add up, and the draft's generation config is left as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmesh.bench_hf import HfSetting, run_hf
+
+PROMPTS = ["def add(a, b):\n    return", "import os\n\nclass Path:"]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def hf_results(tiny_pair):
+    target, draft = tiny_pair
+    settings = [HfSetting("hf-plain"), HfSetting("hf", assistant=True, k=3),
+                HfSetting("hf-default", assistant=True)]
+    return run_hf(target, draft, PROMPTS, settings, max_new_tokens=MAX_NEW, threads=1,
+                  warmup=False)
+
+
+def _greedy(model, tok, prompt: str) -> list[int]:
+    """The target's own greedy generate, outside the code under test."""
+    import torch
+
+    ids = tok(prompt)["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                             max_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_plain_generate_gives_the_targets_greedy_ids(hf_results, target_model):
+    model, tok = target_model
+    plain = hf_results["hf-plain"]
+    assert [r["token_ids"] for r in plain.records] == [_greedy(model, tok, p) for p in PROMPTS]
+    for r in plain.records:
+        assert r["error"] == "" and r["completion_tokens"] == len(r["token_ids"]) > 0
+        assert r["rounds"] == r["completion_tokens"]  # one target pass per token
+        assert r["draft_tokens"] == 0 and r["accepted_draft_tokens"] == 0
+    assert set(plain.forward) == {"target"} and plain.assistant is None
+    assert plain.wall_s > 0
+
+
+def test_assisted_generation_gives_the_same_ids(hf_results):
+    plain = [r["token_ids"] for r in hf_results["hf-plain"].records]
+    for key in ("hf", "hf-default"):
+        res = hf_results[key]
+        assert [r["token_ids"] for r in res.records] == plain, key  # greedy: lossless
+        assert set(res.forward) == {"target", "draft"}
+        assert sum(r["draft_tokens"] for r in res.records) > 0
+    assert hf_results["hf"].assistant == {"num_assistant_tokens": 3,
+                                          "num_assistant_tokens_schedule": "constant",
+                                          "assistant_confidence_threshold": 0.0}
+    assert hf_results["hf-default"].assistant == {"num_assistant_tokens": 20,
+                                                  "num_assistant_tokens_schedule": "constant",
+                                                  "assistant_confidence_threshold": 0.4}
+
+
+def test_hf_default_after_a_fixed_k_sees_the_config_as_saved(tiny_pair):
+    """The fixed-k setting's config is undone before the next setting runs."""
+    target, draft = tiny_pair
+    settings = [HfSetting("hf", assistant=True, k=2), HfSetting("hf-default", assistant=True)]
+    res = run_hf(target, draft, PROMPTS[:1], settings, max_new_tokens=4, threads=1,
+                 warmup=False)
+    assert res["hf"].assistant["num_assistant_tokens"] == 2
+    assert res["hf-default"].assistant["num_assistant_tokens"] == 20
+
+
+def test_an_assisted_setting_needs_a_draft(tiny_pair):
+    with pytest.raises(ValueError, match="needs a draft"):
+        run_hf(tiny_pair[0], None, PROMPTS[:1], [HfSetting("hf", assistant=True, k=2)],
+               max_new_tokens=2, threads=1, warmup=False)
