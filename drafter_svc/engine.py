@@ -10,12 +10,39 @@ from __future__ import annotations
 
 import torch
 
+from drafter_svc.tree import draft_tree
 from services.batching import Row, StepJob
 from services.errors import InvalidArgument
 from services.kv_cache import SessionCache
-from services.messages import DraftCall, DraftResult
-from services.model_runner import ModelEngine, check_delta, check_num_tokens
-from services.sampling import sparse_draft_sample, warp_logits
+from services.messages import DraftCall, DraftResult, SpeculateCall, SpeculateResult
+from services.model_runner import ModelEngine, SoloJob, check_delta, check_num_tokens
+from services.sampling import SamplingParams, sparse_draft_sample_rows, warp_logits
+
+
+def check_draft_params(params: SamplingParams, max_support: int) -> None:
+    if not 1 <= max_support <= 256:
+        raise InvalidArgument(f"max_support must be in 1..256, got {max_support}")
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def check_speculate(call: SpeculateCall, max_draft_tokens: int) -> None:
+    """What Speculate needs beyond a Draft's checks (the engine's and the n-gram drafter's)."""
+    check_num_tokens(call.num_tokens, max_draft_tokens)
+    check_draft_params(call.params, call.max_support)
+    if not 1 <= call.num_drafts <= max_draft_tokens:
+        raise InvalidArgument(f"num_drafts must be in 1..{max_draft_tokens}, got {call.num_drafts}")
+    if len(call.cache.new_tokens) < call.num_drafts + 1:
+        raise InvalidArgument(
+            f"new_tokens must hold the last committed token and the {call.num_drafts} drafts "
+            f"(at least {call.num_drafts + 1} tokens), got {len(call.cache.new_tokens)}")
+    if not 1 <= call.max_branches <= 64:
+        raise InvalidArgument(f"max_branches must be in 1..64, got {call.max_branches}")
+    for name, value in (("acceptance", call.acceptance), ("coverage", call.coverage)):
+        if not 0.0 <= value <= 1.0:
+            raise InvalidArgument(f"{name} must be in [0, 1], got {value}")
 
 
 class DrafterEngine(ModelEngine):
@@ -24,12 +51,7 @@ class DrafterEngine(ModelEngine):
         self.stats.calls += 1
         delta = call.cache
         check_num_tokens(call.num_tokens, self.max_draft_tokens)
-        if not 1 <= call.max_support <= 256:
-            raise InvalidArgument(f"max_support must be in 1..256, got {call.max_support}")
-        try:
-            call.params.validate()
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
+        check_draft_params(call.params, call.max_support)
         check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens,
                     call.num_tokens - 1)
         generator = torch.Generator().manual_seed(call.seed)
@@ -45,6 +67,24 @@ class DrafterEngine(ModelEngine):
                 q_probs=tuple(tuple(q) for _, _, q in drafts),
                 cached_len=len(entry.tokens), cache_hit=delta.base_len > 0, compute_ms=ms,
                 batch_size=batch)
+
+    async def speculate(self, call: SpeculateCall) -> SpeculateResult:
+        """The next round's drafts for the likely outcomes of this round's verify
+        (drafter_svc/tree.py), in one call that runs while the verifier works."""
+        self.stats.calls += 1
+        delta = call.cache
+        check_speculate(call, self.max_draft_tokens)
+        check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens,
+                    call.num_tokens + 1)
+        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash) as entry:
+            job = SoloJob(lambda model, device, new_cache: draft_tree(
+                model, entry, list(delta.new_tokens), call, device, new_cache),
+                passes=1 + call.num_tokens)
+            (branches, _), ms, batch = await self.runner.submit(job)
+            self.stats.fed_tokens += len(delta.new_tokens)
+            self.stats.draft_tokens += sum(len(b.draft.token_ids) for b in branches)
+            return SpeculateResult(branches=branches, cached_len=len(entry.tokens),
+                                   cache_hit=delta.base_len > 0, compute_ms=ms, batch_size=batch)
 
 
 class _DraftJob(StepJob):
@@ -64,10 +104,14 @@ class _DraftJob(StepJob):
 
     def take(self, logits: torch.Tensor) -> None:  # logits [1, V]
         self.entry.tokens.extend(self.pending)
-        probs = warp_logits(logits[0], self.call.params)  # [V]
-        token, ids, q = sparse_draft_sample(probs, self.call.max_support, self.generator)
-        self.out.append((token, ids.tolist(), q.tolist()))
-        self.pending = [token]
+        greedy = self.call.params.greedy
+        probs = logits if greedy else warp_logits(logits, self.call.params)  # [1, V]
+        # The same sampler as a branch of the speculation cache (drafter_svc/tree.py), so a
+        # seeded request draws the same drafts whichever path drafted them.
+        draw = sparse_draft_sample_rows(probs, self.call.max_support, [self.generator],
+                                        greedy)[0]
+        self.out.append(draw)
+        self.pending = [draw[0]]
 
     def result(self) -> list[tuple[int, list[int], list[float]]]:
         return self.out

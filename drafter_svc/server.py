@@ -7,8 +7,13 @@ from opentelemetry import trace
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.ngram import NgramDrafterEngine
 from services.config import ModelServiceConfig
-from services.convert import draft_call_from_pb, draft_result_to_pb
-from services.errors import grpc_errors
+from services.convert import (
+    draft_call_from_pb,
+    draft_result_to_pb,
+    speculate_call_from_pb,
+    speculate_result_to_pb,
+)
+from services.errors import Unimplemented, grpc_errors
 from services.kv_cache import SessionCaches
 from services.model_service import ModelServiceRpcs, build_metrics, build_parts, run_service
 from services.models import describe_without_weights
@@ -28,6 +33,16 @@ class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
         trace.get_current_span().set_attribute("specmesh.draft_tokens", len(result.token_ids))
         self.metrics.draft_tokens.add(len(result.token_ids))
         return draft_result_to_pb(result)
+
+    @grpc_errors
+    async def Speculate(self, request, context):
+        if not hasattr(self.engine, "speculate"):
+            raise Unimplemented(f"a {self.engine.kind} drafter has no speculation cache: "
+                                "use Draft")
+        call = speculate_call_from_pb(request)
+        result = await self.observed(call.cache, lambda: self.engine.speculate(call))
+        trace.get_current_span().set_attribute("specmesh.branches", len(result.branches))
+        return speculate_result_to_pb(result)
 
 
 def build_engine(config: ModelServiceConfig) -> DrafterEngine | NgramDrafterEngine:

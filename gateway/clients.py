@@ -8,11 +8,20 @@ from gateway.replicas import Replica
 from services.convert import (
     draft_call_to_pb,
     draft_result_from_pb,
+    speculate_call_to_pb,
+    speculate_result_from_pb,
     verify_call_to_pb,
     verify_result_from_pb,
 )
 from services.errors import RESYNC_KEY, RESYNC_VALUE, InvalidArgument, ResyncRequired
-from services.messages import DraftCall, DraftResult, VerifyCall, VerifyResult
+from services.messages import (
+    DraftCall,
+    DraftResult,
+    SpeculateCall,
+    SpeculateResult,
+    VerifyCall,
+    VerifyResult,
+)
 from specmesh.v1 import common_pb2
 
 
@@ -43,6 +52,11 @@ async def _call(replica: Replica, method: str, request, timeout: float):
 
 async def draft(replica: Replica, call: DraftCall, timeout: float) -> DraftResult:
     return draft_result_from_pb(await _call(replica, "Draft", draft_call_to_pb(call), timeout))
+
+
+async def speculate(replica: Replica, call: SpeculateCall, timeout: float) -> SpeculateResult:
+    return speculate_result_from_pb(
+        await _call(replica, "Speculate", speculate_call_to_pb(call), timeout))
 
 
 async def verify(replica: Replica, call: VerifyCall, timeout: float) -> VerifyResult:

@@ -27,7 +27,7 @@ from gateway.clients import ReplicaFailed
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
-from gateway.rounds import Prefetch, RoundResult, RoundRunner
+from gateway.rounds import RoundResult, RoundRunner, SpecCache
 from gateway.telemetry import RequestTelemetry
 from gateway.turns import TurnRecord, resumed_spec
 from services.config import GatewayConfig
@@ -91,7 +91,7 @@ class _Request:
     first_token_at: float = 0.0
     adaptive: AdaptiveK | None = None  # None: a fixed k
     pending: int = 0  # the last tokens of handle.tokens not yet in Redis (it was unreachable)
-    prefetch: Prefetch | None = None  # drafts prepared for the next round (pipelining)
+    prefetch: SpecCache | None = None  # drafts prepared for the next round
     last_round: tuple[float, RoundResult] | None = None  # its start time and result
 
 
@@ -304,7 +304,9 @@ class GenerationEngine:
         if r.pipeline != "used" and r.warm:
             self._costs(kind).observe(
                 k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
-        if req.adaptive is not None:
+        if req.adaptive is None:  # (an adaptive k feeds the shared counts itself)
+            self._acceptance(kind).observe(k, r.num_accepted)
+        else:
             req.adaptive.observe(k, r.num_accepted)
             log.debug("session %s: k=%d accepted=%d pipeline=%s alpha=%.2f costs=%s",
                       req.handle.session_id, k, r.num_accepted, r.pipeline or "-",
@@ -316,9 +318,12 @@ class GenerationEngine:
         key = (kind, load_level(self._inflight))
         model = self.costs.get(key)
         if model is None:
-            acceptance = self.acceptance.setdefault(kind, AcceptanceCounts(decay=0.98))
-            model = self.costs[key] = CostModel(acceptance=acceptance)
+            model = self.costs[key] = CostModel(acceptance=self._acceptance(kind))
         return model
+
+    def _acceptance(self, kind: str) -> AcceptanceCounts:
+        """The gateway-wide acceptance counts of a drafter kind (all requests' rounds)."""
+        return self.acceptance.setdefault(kind, AcceptanceCounts(decay=0.98))
 
     def _learn_cycle(self, req: _Request, kind: str, now: float) -> None:
         """The previous round's whole cycle (its calls, the gateway's commit and streaming,
@@ -355,7 +360,8 @@ class GenerationEngine:
             round_span = self.telemetry.round_span(span, req, k)
             with trace.use_span(round_span, end_on_exit=True):
                 r = await self.rounds.run(h, spec.params, k, kind, req.seed, req.usage.rounds,
-                                          req.deadline, req.prefetch)
+                                          req.deadline, req.prefetch,
+                                          self._acceptance(kind).alpha(0.7))
                 req.prefetch = r.prefetch
                 self._learn(req, kind, r)
                 req.last_round = (start, r)

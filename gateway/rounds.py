@@ -7,13 +7,15 @@ names the prefix the replica is assumed to hold (length + hash) and sends only
 the rest; a replica that lost the cache asks for a resync and gets the whole
 prefix; a replica that fails is marked down and another one takes over.
 
-Pipelined drafting: while the verifier checks round r's drafts d1..dk, the drafter
-already continues from d1..dk as if all were accepted: its first token is its guess g of
-the verifier's extra token, the next ones are round r+1's drafts. When the verifier
-accepts all k and its extra token is g, round r+1 starts verifying at once, with no draft
-call on its critical path; otherwise the prepared drafts are dropped. Drafts are used
-only when the prefix they were drawn from is exactly the committed one, so they are
-distributed as fresh drafts would be and the output stays lossless.
+The speculation cache (``--pipeline``): while the verifier checks round r's drafts
+d1..dk, the drafter that holds the session drafts round r+1 for the likely outcomes of
+that verify, each accept length j with guesses of the verifier's own token t after it, as
+one batched call over that tree (Speculate; services/speculation.py says which outcomes).
+When the verify returns, the branch keyed by what was committed (d1..dj, t) is round r+1's
+draft, with no draft call on its critical path (a hit); a miss drafts as before. A branch is
+used only when the committed prefix is exactly the one it was drawn from and it carries
+the q its tokens were drawn from, so the output stays lossless; its draws use the seed a
+fresh draft of round r+1 would use, so seeded sampling draws the same either way.
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ from gateway.replicas import ReplicaPool
 from services.config import GatewayConfig
 from services.errors import DeadlineExceeded, ResyncRequired, Unavailable
 from services.hashing import token_hash
-from services.messages import CacheDelta, DraftCall, DraftResult, VerifyCall, VerifyResult
+from services.messages import (
+    CacheDelta,
+    DraftCall,
+    DraftResult,
+    SpeculateCall,
+    VerifyCall,
+    VerifyResult,
+)
 from services.sampling import SamplingParams
 from services.session_store import SessionHandle
 
@@ -58,12 +67,15 @@ def _delta(session_id: str, tokens: list[int], base: int) -> CacheDelta:
 
 
 @dataclass(frozen=True)
-class Prefetch:
-    """Drafts prepared during the previous round's verify (see the module docstring)."""
+class SpecCache:
+    """Round r+1's drafts prepared during round r's verify (see the module docstring)."""
 
     base: int  # committed tokens when they were prepared
-    assumed: tuple[int, ...]  # what they assume is committed next: the drafts + the guess
-    draft: DraftResult  # the next round's drafts; its cached_len counts committed + assumed
+    branches: dict[tuple[int, ...], DraftResult]  # tokens committed after base -> drafts
+
+    def lookup(self, tokens: list[int]) -> DraftResult | None:
+        """The drafts prepared for exactly what was committed since ``base``, if any."""
+        return self.branches.get(tuple(tokens[self.base:]))
 
 
 @dataclass(frozen=True)
@@ -77,9 +89,11 @@ class RoundResult:
     verify_ms: float
     draft_compute_ms: float  # its model compute (0 when the drafts were prefetched)
     verify_compute_ms: float
-    pipeline: str = ""  # "used", "dropped" or "none" (nothing prepared); "" without drafts
+    pipeline: str = ""  # speculation cache: "used" (hit), "dropped" (miss) or "none"
+    #                     (nothing prepared); "" without drafts
     warm: bool = True  # both calls found their caches (no prefill or resync in the timings)
-    prefetch: Prefetch | None = None  # drafts for the next round, if prepared
+    prefetch: SpecCache | None = None  # drafts for the next round, if prepared
+    waited_ms: float = 0.0  # time spent awaiting replicas (the rest of the round is the gateway's)
 
     @property
     def proposed(self) -> list[int]:
@@ -96,35 +110,36 @@ class RoundRunner:
 
     async def run(self, h: SessionHandle, params: SamplingParams, k: int, kind: str, seed: int,
                   round_index: int, deadline: Callable[[], float | None],
-                  prefetch: Prefetch | None = None) -> RoundResult:
-        """Drafts up to k tokens with a drafter of ``kind`` (k = 0: none), or takes them
-        from ``prefetch`` when its assumption held, and verifies them for session ``h``;
-        with pipelining on, prepares the next round's drafts meanwhile. Updates the
+                  prefetch: SpecCache | None = None, acceptance: float = 0.7) -> RoundResult:
+        """Takes round ``round_index``'s k drafts from ``prefetch`` when it holds the branch
+        that was committed, else drafts them with a drafter of ``kind`` (k = 0: none), and
+        verifies them for session ``h``; with the speculation cache on, drafts the next
+        round's branches meanwhile (``acceptance`` weighs their outcomes). Updates the
         handle's replica fields (who holds the caches) but not its tokens."""
         old = len(h.tokens)
         start = time.perf_counter()
-        draft, cached, outcome = None, 0, ""
+        # Plan: the prepared branch that was committed, else a draft call.
+        draft, outcome = None, ""
         if k:
-            outcome = "none"
-            if prefetch is not None:
-                outcome = "dropped"
-                if (prefetch.base + len(prefetch.assumed) == old
-                        and tuple(h.tokens[prefetch.base:]) == prefetch.assumed):
-                    outcome = "used"
-                    draft, cached = _trim(prefetch.draft, k), prefetch.draft.cached_len
-            if draft is None:
+            prepared = prefetch.lookup(h.tokens) if prefetch is not None else None
+            outcome = "none" if prefetch is None else "used" if prepared else "dropped"
+            if prepared is not None:
+                draft = _trim(prepared, k)
+            else:
                 draft = await self._draft(h, params, k, kind,
                                           round_seed(seed, round_index, "draft"), deadline)
-                cached = draft.cached_len if draft is not None else 0
+        fresh = draft is not None and outcome != "used"
+        # Run: the verify, and the next round's branches alongside it.
         mid = time.perf_counter()
         drafted = draft if draft is not None and draft.token_ids else None
         verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
                               deadline)
         ahead = None
         if drafted is not None and self.config.pipeline and h.drafter:
-            ahead = asyncio.ensure_future(self._draft_ahead(
-                h, params, drafted, cached, k, round_seed(seed, round_index + 1, "draft"),
-                deadline))
+            valid = old if fresh else min(h.drafter_len, old)
+            ahead = asyncio.ensure_future(self._speculate(
+                h, params, drafted, valid, k, round_seed(seed, round_index + 1, "draft"),
+                acceptance, deadline))
         try:
             result = await verify
         except BaseException:
@@ -132,50 +147,59 @@ class RoundRunner:
                 ahead.cancel()
             raise
         verified = time.perf_counter()
-        next_draft = await ahead if ahead is not None else None
-        fresh = outcome != "used"
+        spec, cached = await ahead if ahead is not None else (None, 0)
+        end = time.perf_counter()
+        # Account: what the drafter holds past the old tokens (None: unknown to this round).
         tail = None
-        if drafted is not None:
-            ext = list(drafted.token_ids)
-            if next_draft is not None:  # it fed the drafts and its guess, then drafted on
-                ext = [*next_draft.assumed, *next_draft.draft.token_ids]
-                cached = next_draft.draft.cached_len
-            tail = tuple(ext[: max(0, cached - old)])
-        elif draft is not None:
-            tail = ()
+        if spec is not None:
+            tail = drafted.token_ids[: cached - old]
+        elif fresh:
+            tail = draft.token_ids[: max(0, draft.cached_len - old)]
         return RoundResult(
             drafted=drafted.token_ids if drafted else (), drafter_tail=tail,
             num_accepted=result.num_accepted, extra_token=result.extra_token,
-            draft_ms=(mid - start) * 1000 if draft is not None and fresh else 0.0,
+            draft_ms=(mid - start) * 1000 if fresh else 0.0,
             verify_ms=(verified - mid) * 1000,
-            draft_compute_ms=draft.compute_ms if draft is not None and fresh else 0.0,
-            verify_compute_ms=result.compute_ms, pipeline=outcome, prefetch=next_draft,
-            warm=result.cache_hit and (draft is None or not fresh or draft.cache_hit))
+            draft_compute_ms=draft.compute_ms if fresh else 0.0,
+            verify_compute_ms=result.compute_ms, pipeline=outcome, prefetch=spec,
+            warm=result.cache_hit and (not fresh or draft.cache_hit),
+            waited_ms=(end - mid + (mid - start if fresh else 0.0)) * 1000)
 
-    async def _draft_ahead(self, h: SessionHandle, params: SamplingParams, draft: DraftResult,
-                           cached: int, k: int, seed: int, deadline) -> Prefetch | None:
-        """Round r+1's drafts, assuming all of ``draft`` is accepted: one call to the drafter
-        that holds the session, for 1 + k tokens (the guess of the extra token, then k).
-        Any failure just means nothing is prepared: the next round drafts as usual."""
+    def _fanout(self, replica) -> int:
+        """Branches to ask for: the configured fan-out shared by the calls the drafter is
+        serving for this gateway now; 0 (no speculation) once it serves as many calls as
+        the fan-out: then the drafter is the bottleneck and branches would only queue."""
+        busy = replica.inflight + replica.load.get("queue_depth", 0)
+        return 0 if busy >= self.config.spec_fanout else self.config.spec_fanout // (1 + busy)
+
+    async def _speculate(self, h: SessionHandle, params: SamplingParams, drafted: DraftResult,
+                         valid: int, k: int, seed: int, acceptance: float,
+                         deadline) -> tuple[SpecCache | None, int]:
+        """Round r+1's drafts for the likely outcomes of this round's verify, from the model
+        drafter that holds the session (``valid`` of the committed tokens are in its cache).
+        Any failure just means nothing is prepared: the next round drafts as usual.
+        Returns (the cache, tokens the drafter holds after the call)."""
         replica = self.drafters.replicas.get(h.drafter)
-        if replica is None or replica.info is None or k + 1 > replica.info.max_draft_tokens:
-            return None
-        ext = list(h.tokens) + list(draft.token_ids)
-        base = min(cached, len(ext) - 1)
+        if (replica is None or replica.info is None or replica.info.kind != "model"
+                or k > replica.info.max_draft_tokens):
+            return None, 0
+        fanout = self._fanout(replica)
+        if not fanout:
+            return None, 0
+        ext = [*h.tokens, *drafted.token_ids]
+        base = min(valid, len(h.tokens) - 1)  # logits from the last committed token on
+        call = SpeculateCall(
+            cache=_delta(h.session_id, ext, base), num_drafts=len(drafted.token_ids),
+            num_tokens=k, params=params, seed=seed, max_support=self.config.max_support,
+            max_branches=fanout, acceptance=acceptance)
         try:
-            result = await clients.draft(replica, DraftCall(
-                cache=_delta(h.session_id, ext, base), num_tokens=k + 1, params=params,
-                seed=seed, max_support=self.config.max_support), self._timeout(deadline))
+            result = await clients.speculate(replica, call, self._timeout(deadline))
         except Exception as exc:  # noqa: BLE001 - optional work: any failure = not prepared
-            log.info("no pipelined draft for session %s: %s", h.session_id, exc)
-            return None
-        if len(result.token_ids) < 2:
-            return None
-        guess = result.token_ids[0]
-        return Prefetch(base=len(h.tokens), assumed=(*draft.token_ids, guess),
-                        draft=dataclasses.replace(result, token_ids=result.token_ids[1:],
-                                                  q_ids=result.q_ids[1:],
-                                                  q_probs=result.q_probs[1:]))
+            log.info("no speculation cache for session %s: %s", h.session_id, exc)
+            return None, 0
+        branches = {(*drafted.token_ids[: b.accepted], b.token): b.draft
+                    for b in result.branches}
+        return SpecCache(base=len(h.tokens), branches=branches), result.cached_len
 
     def _timeout(self, deadline: Callable[[], float | None]) -> float:
         remaining = deadline()

@@ -74,6 +74,9 @@ class RequestTelemetry:
         self.metrics.verify_compute.record(r.verify_compute_ms / 1000.0)
         if r.pipeline:
             self.metrics.pipelined.add(1, {"outcome": r.pipeline})
+        if r.prefetch is not None:
+            self.metrics.fanout.record(len(r.prefetch.branches))
+        self.metrics.gateway_time.record(max(0.0, seconds - r.waited_ms / 1000.0))
         now = time.perf_counter()
         if not req.first_token_at:
             req.first_token_at = now

@@ -188,7 +188,7 @@ class GatewayConfig:
     model: str = ""  # tokenizer source; "" = the model the verifiers report
     drafters: tuple[str, ...] = ()
     verifiers: tuple[str, ...] = ()
-    num_draft_tokens: int = 0  # 0 = adaptive, up to max_adaptive_k
+    num_draft_tokens: int = 3  # 0 = adaptive, up to max_adaptive_k
     max_adaptive_k: int = 8
     max_support: int = 32
     default_max_new_tokens: int = 128
@@ -201,7 +201,8 @@ class GatewayConfig:
     max_inflight: int = 64
     replica_retry_s: float = 2.0
     default_drafter_kind: str = "model"
-    pipeline: bool = True  # draft round r+1 while round r is being verified
+    pipeline: bool = True  # speculation cache: draft round r+1 while round r is being verified
+    spec_fanout: int = 4  # most branches of the speculation cache per round
     discovery: str = "static"  # or "kubernetes": follow the EndpointSlices of two Services
     namespace: str = "default"
     drafter_service: str = ""
@@ -223,6 +224,7 @@ class GatewayConfig:
         _require(0 <= self.num_draft_tokens <= 64, "num draft tokens must be in 0..64")
         _require(1 <= self.max_adaptive_k <= 64, "max adaptive k must be in 1..64")
         _require(1 <= self.max_support <= 256, "max support must be in 1..256")
+        _require(1 <= self.spec_fanout <= 64, "speculation fan-out must be in 1..64")
         _require(1 <= self.default_max_new_tokens <= self.max_new_tokens_cap,
                  "default max new tokens must be in 1..max_new_tokens_cap")
         _require(self.session_ttl_s >= 1, "session TTL must be >= 1 s")

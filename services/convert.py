@@ -6,10 +6,13 @@ Used only at the edges: the servicers and the gateway's clients.
 from __future__ import annotations
 
 from services.messages import (
+    Branch,
     CacheDelta,
     DraftCall,
     DraftResult,
     ReplicaStats,
+    SpeculateCall,
+    SpeculateResult,
     VerifyCall,
     VerifyResult,
 )
@@ -65,6 +68,43 @@ def draft_result_from_pb(m: drafter_pb2.DraftResponse) -> DraftResult:
                        q_probs=tuple(tuple(d.probs) for d in m.dists),
                        cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms,
                        batch_size=max(1, m.batch_size))
+
+
+def speculate_call_to_pb(c: SpeculateCall) -> drafter_pb2.SpeculateRequest:
+    return drafter_pb2.SpeculateRequest(
+        cache=delta_to_pb(c.cache), num_drafts=c.num_drafts, num_tokens=c.num_tokens,
+        warp=warp_to_pb(c.params, c.seed), max_support=c.max_support,
+        max_branches=c.max_branches, acceptance=c.acceptance, coverage=c.coverage)
+
+
+def speculate_call_from_pb(m: drafter_pb2.SpeculateRequest) -> SpeculateCall:
+    params, seed = warp_from_pb(m.warp)
+    return SpeculateCall(cache=delta_from_pb(m.cache), num_drafts=m.num_drafts,
+                         num_tokens=m.num_tokens, params=params, seed=seed,
+                         max_support=m.max_support, max_branches=m.max_branches,
+                         acceptance=m.acceptance, coverage=m.coverage or 0.95)
+
+
+def speculate_result_to_pb(r: SpeculateResult) -> drafter_pb2.SpeculateResponse:
+    return drafter_pb2.SpeculateResponse(
+        branches=[drafter_pb2.SpeculationBranch(
+            accepted=b.accepted, token=b.token, token_ids=b.draft.token_ids,
+            dists=_dists(b.draft.q_ids, b.draft.q_probs), probability=b.probability)
+            for b in r.branches],
+        cached_len=r.cached_len, cache_hit=r.cache_hit, compute_ms=r.compute_ms,
+        batch_size=r.batch_size)
+
+
+def speculate_result_from_pb(m: drafter_pb2.SpeculateResponse) -> SpeculateResult:
+    branches = tuple(Branch(
+        accepted=b.accepted, token=b.token, probability=b.probability,
+        draft=DraftResult(token_ids=tuple(b.token_ids),
+                          q_ids=tuple(tuple(d.token_ids) for d in b.dists),
+                          q_probs=tuple(tuple(d.probs) for d in b.dists),
+                          cached_len=m.cached_len, cache_hit=m.cache_hit,
+                          compute_ms=m.compute_ms)) for b in m.branches)
+    return SpeculateResult(branches=branches, cached_len=m.cached_len, cache_hit=m.cache_hit,
+                           compute_ms=m.compute_ms, batch_size=max(1, m.batch_size))
 
 
 def verify_call_to_pb(c: VerifyCall) -> verifier_pb2.VerifyRequest:

@@ -50,6 +50,10 @@ class PermissionDenied(SpecMeshError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Unimplemented(SpecMeshError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class Unavailable(SpecMeshError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -49,6 +49,41 @@ class DraftResult:
 
 
 @dataclass(frozen=True)
+class SpeculateCall:
+    """Drafts for the next round's likely outcomes (drafter.proto SpeculateRequest)."""
+
+    cache: CacheDelta  # committed prefix + this round's drafts (the last num_drafts tokens)
+    num_drafts: int
+    num_tokens: int
+    params: SamplingParams
+    seed: int
+    max_support: int
+    max_branches: int
+    acceptance: float
+    coverage: float = 0.95
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One outcome of a verify (``accepted`` drafts, then ``token``) and the next round's
+    drafts after it."""
+
+    accepted: int
+    token: int
+    draft: DraftResult
+    probability: float
+
+
+@dataclass(frozen=True)
+class SpeculateResult:
+    branches: tuple[Branch, ...]  # most likely first
+    cached_len: int
+    cache_hit: bool
+    compute_ms: float
+    batch_size: int = 1
+
+
+@dataclass(frozen=True)
 class VerifyCall:
     cache: CacheDelta
     draft_ids: tuple[int, ...]

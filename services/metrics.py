@@ -47,8 +47,18 @@ class GatewayMetrics:
             explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
         self.pipelined = meter.create_counter(
             "specmesh.pipeline.drafts", unit="{round}",
-            description="Rounds by what became of the draft prepared during the previous "
-                        "round's verify: used, dropped (guess wrong) or none (not prepared)")
+            description="Rounds by what the speculation cache held for them: used (a hit: "
+                        "the committed branch was drafted during the previous verify), "
+                        "dropped (a miss) or none (nothing prepared)")
+        self.fanout = meter.create_histogram(
+            "specmesh.spec_cache.fanout", unit="{branch}",
+            description="Branches the drafter prepared during one verify",
+            explicit_bucket_boundaries_advisory=[1, 2, 4, 6, 8, 12, 16, 24, 32, 64])
+        self.gateway_time = meter.create_histogram(
+            "specmesh.round.gateway", unit="s",
+            description="Gateway work of one round: its wall time less the time spent "
+                        "awaiting drafter and verifier calls (Redis commit included)",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
         self.ttft = meter.create_histogram(
             "gen_ai.server.time_to_first_token", unit="s",
             description="Time from request to its first streamed token",

@@ -10,7 +10,8 @@ then run together, up to ``max_batch`` of them in one forward pass per step
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,6 +21,16 @@ from services.batching import StepJob, run_steps
 from services.errors import InvalidArgument, Overloaded
 from services.messages import ReplicaStats, check_token_ids
 from services.models import ModelMeta
+
+
+class SoloJob:
+    """Work that runs alone on the model thread (not micro-batched with other calls), e.g.
+    the drafter's tree of branches, which is a batch of its own."""
+
+    def __init__(self, run: Callable[[Any, torch.device, Callable[[], Any]], Any],
+                 passes: int) -> None:
+        self.run = run  # (model, device, new_cache) -> result
+        self.passes = passes  # forward passes it makes, for the stats
 
 
 class ModelRunner:
@@ -45,7 +56,7 @@ class ModelRunner:
 
         return DynamicCache(config=self.model.config)
 
-    async def submit(self, job: StepJob) -> tuple[Any, float, int]:
+    async def submit(self, job: StepJob | SoloJob) -> tuple[Any, float, int]:
         """Runs ``job`` in the next batch; returns (its result, the batch's compute
         milliseconds, the batch size). Errors of the job are raised here."""
         if self._pending >= self._max_queue:
@@ -65,7 +76,11 @@ class ModelRunner:
         batch: list[tuple[StepJob, asyncio.Future]] = []
         try:
             while self._waiting:
-                batch = self._waiting[: self._max_batch]
+                if isinstance(self._waiting[0][0], SoloJob):
+                    await self._run_solo(*self._waiting.pop(0))
+                    continue
+                solo = [i for i, (job, _) in enumerate(self._waiting) if isinstance(job, SoloJob)]
+                batch = self._waiting[: min([self._max_batch, *solo])]
                 del self._waiting[: len(batch)]
                 batch = [(job, fut) for job, fut in batch if not fut.done()]  # not cancelled
                 if not batch:
@@ -95,6 +110,23 @@ class ModelRunner:
             raise
         finally:
             self._drainer = None
+
+    async def _run_solo(self, job: SoloJob, future: asyncio.Future) -> None:
+        if future.done():  # cancelled while it waited
+            return
+        start = time.perf_counter()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._executor, job.run, self.model, self.device, self.new_kv)
+        except Exception as exc:  # noqa: BLE001 - the job's own failure, reported to its caller
+            if not future.done():
+                future.set_exception(exc)
+            return
+        ms = (time.perf_counter() - start) * 1000.0
+        self.stats.forward_ms += ms
+        self.stats.forward_passes += job.passes
+        if not future.done():
+            future.set_result((result, ms, 1))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

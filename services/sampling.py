@@ -11,6 +11,7 @@ to stay lossless. No module-level state; randomness only via explicit generators
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,39 @@ def sparse_draft_sample(
     vals, ids = torch.topk(p, support)  # [S], [S]
     q = vals / vals.sum()  # [S]
     return int(ids[_sample_index(q, generator)]), ids.to(torch.int64), q.to(torch.float32)
+
+
+def sparse_draft_sample_rows(
+    probs: torch.Tensor, max_support: int, generators: Sequence[torch.Generator | None],
+    greedy: bool = False,
+) -> list[tuple[int, list[int], list[float]]]:
+    """``sparse_draft_sample`` for each row of probs [B, V] (already warped), with one
+    generator per row: one top-k for the whole batch, then one uniform per row.
+
+    -> per row (token, support ids [S_b], q [S_b]) as Python lists; S_b = min(max_support,
+    nonzero entries of the row). Same distribution, support and draws as the per-row function.
+    ``greedy``: the rows are one-hots (greedy warping): each row's token is its argmax with
+    q = [1], and no generator is drawn from (the draw could only pick that token).
+    """
+    if greedy:
+        tokens = probs.argmax(dim=-1).tolist()  # [B]
+        return [(t, [t], [1.0]) for t in tokens]
+    if probs.dim() != 2 or probs.shape[0] != len(generators):
+        raise ValueError(f"probs must have shape [B={len(generators)}, V], got {tuple(probs.shape)}")
+    p = probs.to(torch.float32)  # [B, V]
+    if not bool(torch.isfinite(p).all()) or bool((p < 0).any()):
+        raise ValueError("probs must be finite and non-negative")
+    vals, ids = torch.topk(p, min(max_support, p.shape[1]), dim=-1)  # [B, S], [B, S]
+    sizes = (vals > 0).sum(dim=-1).tolist()  # [B] S_b (sorted: the nonzero come first)
+    out = []
+    for b, gen in enumerate(generators):
+        size = sizes[b]
+        if size == 0:
+            raise ValueError(f"probs row {b} has no token with nonzero probability")
+        q = vals[b, :size] / vals[b, :size].sum()  # [S_b]
+        support = ids[b, :size]
+        out.append((int(support[_sample_index(q, gen)]), support.tolist(), q.tolist()))
+    return out
 
 
 @dataclass(frozen=True)

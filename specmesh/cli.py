@@ -185,7 +185,8 @@ def gateway(
                                                help="Verifiers' gRPC port.")] = 50071,
     num_draft_tokens: Annotated[int, typer.Option(
         envvar="SPECMESH_NUM_DRAFT_TOKENS",
-        help="Draft tokens per round for requests that set none; 0 = adaptive.")] = 0,
+        help="Draft tokens per round for requests that set none; 0 = adaptive (opt-in: on "
+             "the bench a fixed k is faster, see docs/performance.md).")] = 3,
     max_adaptive_k: Annotated[int, typer.Option(
         envvar="SPECMESH_MAX_ADAPTIVE_K", help="Largest k the adaptive choice may pick.")] = 8,
     default_drafter_kind: Annotated[str, typer.Option(
@@ -193,8 +194,12 @@ def gateway(
         help="Drafter kind for requests that name none: model or ngram.")] = "model",
     pipeline: Annotated[bool, typer.Option(
         "--pipeline/--no-pipeline", envvar="SPECMESH_PIPELINE",
-        help="Draft the next round while the verifier checks this one (the drafts are used "
-             "when the drafter's guess of the verifier's token holds).")] = True,
+        help="Speculation cache: while the verifier checks a round, the model drafter drafts "
+             "the next round for its likely outcomes; a hit needs no draft call.")] = True,
+    spec_fanout: Annotated[int, typer.Option(
+        envvar="SPECMESH_SPEC_FANOUT", min=1, max=64,
+        help="Most branches (outcomes) the speculation cache drafts per round, shared by "
+             "the calls a drafter serves at once.")] = 4,
     max_support: Annotated[int, typer.Option(envvar="SPECMESH_MAX_SUPPORT",
                                              help="Largest sparse-q support per position.")] = 32,
     default_max_new_tokens: Annotated[int, typer.Option(
@@ -234,7 +239,8 @@ def gateway(
             drafters=parse_addresses(drafters), verifiers=parse_addresses(verifiers),
             num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
             max_support=max_support,
-            default_drafter_kind=default_drafter_kind, pipeline=pipeline, discovery=discovery,
+            default_drafter_kind=default_drafter_kind, pipeline=pipeline, spec_fanout=spec_fanout,
+            discovery=discovery,
             namespace=namespace, drafter_service=drafter_service,
             verifier_service=verifier_service, drafter_port=drafter_port,
             verifier_port=verifier_port,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x86\x01\n\x0c\x44raftRequest\x12&\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x17.specmesh.v1.CacheDelta\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12%\n\x04warp\x18\x03 \x01(\x0b\x32\x17.specmesh.v1.WarpParams\x12\x13\n\x0bmax_support\x18\x04 \x01(\x05\"\x99\x01\n\rDraftResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05\x64ists\x18\x02 \x03(\x0b\x32\x17.specmesh.v1.SparseDist\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x12\n\nbatch_size\x18\x06 \x01(\r2\x98\x02\n\x07\x44rafter\x12>\n\x05\x44raft\x12\x19.specmesh.v1.DraftRequest\x1a\x1a.specmesh.v1.DraftResponse\x12\x44\n\x07Release\x12\x1b.specmesh.v1.ReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.specmesh.v1.ModelInfoRequest\x1a\x16.specmesh.v1.ModelInfo\x12@\n\x08GetStats\x12\x19.specmesh.v1.StatsRequest\x1a\x19.specmesh.v1.ReplicaStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x86\x01\n\x0c\x44raftRequest\x12&\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x17.specmesh.v1.CacheDelta\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12%\n\x04warp\x18\x03 \x01(\x0b\x32\x17.specmesh.v1.WarpParams\x12\x13\n\x0bmax_support\x18\x04 \x01(\x05\"\x99\x01\n\rDraftResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05\x64ists\x18\x02 \x03(\x0b\x32\x17.specmesh.v1.SparseDist\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x12\n\nbatch_size\x18\x06 \x01(\r\"\xda\x01\n\x10SpeculateRequest\x12&\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x17.specmesh.v1.CacheDelta\x12\x12\n\nnum_drafts\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12%\n\x04warp\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.WarpParams\x12\x13\n\x0bmax_support\x18\x05 \x01(\x05\x12\x14\n\x0cmax_branches\x18\x06 \x01(\x05\x12\x12\n\nacceptance\x18\x07 \x01(\x02\x12\x10\n\x08\x63overage\x18\x08 \x01(\x02\"\x84\x01\n\x11SpeculationBranch\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x05\x64ists\x18\x04 \x03(\x0b\x32\x17.specmesh.v1.SparseDist\x12\x13\n\x0bprobability\x18\x05 \x01(\x02\"\x94\x01\n\x11SpeculateResponse\x12\x30\n\x08\x62ranches\x18\x01 \x03(\x0b\x32\x1e.specmesh.v1.SpeculationBranch\x12\x12\n\ncached_len\x18\x02 \x01(\r\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x12\n\ncompute_ms\x18\x04 \x01(\x02\x12\x12\n\nbatch_size\x18\x05 \x01(\r2\xe4\x02\n\x07\x44rafter\x12>\n\x05\x44raft\x12\x19.specmesh.v1.DraftRequest\x1a\x1a.specmesh.v1.DraftResponse\x12J\n\tSpeculate\x12\x1d.specmesh.v1.SpeculateRequest\x1a\x1e.specmesh.v1.SpeculateResponse\x12\x44\n\x07Release\x12\x1b.specmesh.v1.ReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.specmesh.v1.ModelInfoRequest\x1a\x16.specmesh.v1.ModelInfo\x12@\n\x08GetStats\x12\x19.specmesh.v1.StatsRequest\x1a\x19.specmesh.v1.ReplicaStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTREQUEST']._serialized_end=203
   _globals['_DRAFTRESPONSE']._serialized_start=206
   _globals['_DRAFTRESPONSE']._serialized_end=359
-  _globals['_DRAFTER']._serialized_start=362
-  _globals['_DRAFTER']._serialized_end=642
+  _globals['_SPECULATEREQUEST']._serialized_start=362
+  _globals['_SPECULATEREQUEST']._serialized_end=580
+  _globals['_SPECULATIONBRANCH']._serialized_start=583
+  _globals['_SPECULATIONBRANCH']._serialized_end=715
+  _globals['_SPECULATERESPONSE']._serialized_start=718
+  _globals['_SPECULATERESPONSE']._serialized_end=866
+  _globals['_DRAFTER']._serialized_start=869
+  _globals['_DRAFTER']._serialized_end=1225
 # @@protoc_insertion_point(module_scope)

@@ -41,6 +41,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.Speculate = channel.unary_unary(
+                '/specmesh.v1.Drafter/Speculate',
+                request_serializer=specmesh_dot_v1_dot_drafter__pb2.SpeculateRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_drafter__pb2.SpeculateResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specmesh.v1.Drafter/Release',
                 request_serializer=specmesh_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -64,6 +69,15 @@ class DrafterServicer:
 
     def Draft(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Speculate(self, request, context):
+        """The speculation cache: while the verifier checks this round's drafts, drafts
+        the next round for its most likely outcomes (accept length j and a guess of
+        the verifier's own token after them), as one batched call over that tree.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -94,6 +108,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'Speculate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Speculate,
+                    request_deserializer=specmesh_dot_v1_dot_drafter__pb2.SpeculateRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_drafter__pb2.SpeculateResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -139,6 +158,33 @@ class Drafter:
             '/specmesh.v1.Drafter/Draft',
             specmesh_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             specmesh_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Speculate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Drafter/Speculate',
+            specmesh_dot_v1_dot_drafter__pb2.SpeculateRequest.SerializeToString,
+            specmesh_dot_v1_dot_drafter__pb2.SpeculateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -151,6 +151,8 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.numDraftTokens | quote }}
 - name: SPECMESH_PIPELINE
   value: {{ $c.pipeline | quote }}
+- name: SPECMESH_SPEC_FANOUT
+  value: {{ $c.specFanout | quote }}
 - name: SPECMESH_MAX_SUPPORT
   value: {{ $c.maxSupport | quote }}
 - name: SPECMESH_DEFAULT_MAX_NEW_TOKENS
