@@ -45,6 +45,10 @@ def redis_server_binary() -> str:
 
 @dataclass(frozen=True)
 class MeshSpec:
+    """``--threads`` of a drafter or verifier, unless its extra args set one: each model
+    process gets its share of the cores (model_threads), so that a drafter drafting while
+    the verifier verifies does not fight it for the same cores."""
+
     target: str
     draft: str
     port: int = 50051
@@ -60,6 +64,15 @@ class MeshSpec:
     startup_timeout_s: float = 180.0
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the service processes
     tls: tuple[str, str, str] = ()  # (cert, key, ca) PEM files: TLS + mTLS on every tier
+
+
+def model_threads(cores: int, model_processes: int) -> int:
+    """Torch threads per model process when ``model_processes`` share ``cores``."""
+    return max(1, cores // max(1, model_processes))
+
+
+def _with_threads(args: tuple[str, ...], threads: int) -> tuple[str, ...]:
+    return args if "--threads" in args else (*args, "--threads", str(threads))
 
 
 @dataclass
@@ -160,8 +173,11 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
             proc, mesh.redis_url = start_redis(log_dir)
             procs.append(proc)
             progress(f"redis       {mesh.redis_url}")
-        tiers = [("verifier", "verifier", spec.verifiers, spec.target, spec.extra_verifier_args),
-                 ("drafter", "drafter", spec.drafters, spec.draft, spec.extra_drafter_args),
+        threads = model_threads(os.cpu_count() or 1, spec.verifiers + spec.drafters)
+        tiers = [("verifier", "verifier", spec.verifiers, spec.target,
+                  _with_threads(spec.extra_verifier_args, threads)),
+                 ("drafter", "drafter", spec.drafters, spec.draft,
+                  _with_threads(spec.extra_drafter_args, threads)),
                  ("ngram", "drafter", spec.ngram_drafters, spec.target,
                   ("--kind", "ngram", *spec.extra_drafter_args))]
         started: list[Proc] = []
