@@ -213,10 +213,14 @@ def test_verifier_killed_mid_stream_moves_the_session_without_losing_a_token(
     with GatewayClient(mesh_.gateway_address) as client:
         # Long enough that the stream is still running when the holder is killed, even on a
         # busy machine (the gateway streams ahead of this client's reads).
+        calls = {name: verifier_stats(mesh_.proc(name).address).calls
+                 for name in ("verifier-0", "verifier-1")}
         stream = client.stream(build_request(prompt, max_new_tokens=300, num_draft_tokens=2))
         chunks = [next(stream), next(stream)]
-        holder = next(name for name in ("verifier-0", "verifier-1")
-                      if verifier_stats(mesh_.proc(name).address).sessions > 0)
+        # The holder is the verifier this request called (its session count may already be 0
+        # again on a fast machine: the gateway streams ahead of this client's reads).
+        holder = max(calls, key=lambda name: verifier_stats(
+            mesh_.proc(name).address).calls - calls[name])
         mesh_.kill(holder)
         chunks += list(stream)
     survivor = "verifier-1" if holder == "verifier-0" else "verifier-0"
