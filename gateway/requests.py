@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from services.config import GatewayConfig
 from services.errors import InvalidArgument
-from services.sampling import SamplingParams
+from services.params import SamplingParams
 from specmesh.v1 import gateway_pb2
 
 MAX_PROMPT_CHARS = 1_000_000

@@ -42,7 +42,7 @@ from services.messages import (
     VerifyCall,
     VerifyResult,
 )
-from services.sampling import SamplingParams
+from services.params import SamplingParams
 from services.session_store import SessionHandle
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from gateway.replicas import ReplicaPool
 from gateway.servicer import GatewayServicer
 from services.config import GatewayConfig, redact_url
 from services.errors import InvalidArgument, Unavailable
-from services.models import load_tokenizer, vocab_hash
+from services.model_info import load_tokenizer, vocab_hash
 from services.server import serve
 from services.session_store import SessionStore
 from services.telemetry import Telemetry, TelemetryConfig, setup

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from gateway.requests import GenerationSpec
 from services.errors import InvalidArgument
-from services.sampling import SamplingParams
+from services.params import SamplingParams
 
 
 @dataclass

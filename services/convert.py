@@ -16,8 +16,8 @@ from services.messages import (
     VerifyCall,
     VerifyResult,
 )
-from services.models import ModelMeta
-from services.sampling import SamplingParams
+from services.model_info import ModelMeta
+from services.params import SamplingParams
 from specmesh.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 

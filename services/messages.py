@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.errors import InvalidArgument
-from services.sampling import SamplingParams
+from services.params import SamplingParams
 
 
 def check_token_ids(tokens, vocab_size: int, what: str) -> None:

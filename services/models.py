@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-from dataclasses import dataclass
 
 import torch
+
+from services.model_info import ModelMeta, load_tokenizer, vocab_hash  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ModelMeta:
-    model: str
-    fingerprint: str
-    vocab_hash: str
-    vocab_size: int
-    max_context: int
-    eos_token_ids: tuple[int, ...]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,24 +29,6 @@ def load_causal_lm(path: str, device: torch.device, dtype: str = "float32") -> t
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-def load_tokenizer(path: str):
-    """The model's tokenizer, or None when the path has none (a bare model)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        log.warning("no tokenizer at %s (%s)", path, exc)
-        return None
-
-
-def vocab_hash(tokenizer) -> str:
-    if tokenizer is None:
-        return ""
-    items = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
 def eos_token_ids(generation_config, config) -> tuple[int, ...]:
