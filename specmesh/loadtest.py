@@ -293,9 +293,15 @@ def load(
     api_key: Annotated[str, typer.Option(envvar="SPECMESH_API_KEY",
                                          help="API key of a gateway started with --api-keys.")
                        ] = "",
+    chaos: Annotated[bool, typer.Option(
+        "--chaos", help="Start a mesh of two gateways, drafters and verifiers and a Redis, and "
+                        "SIGKILL and restart each in turn while the streams run; clients resume "
+                        "or retry; every output must equal the intact mesh's (docs/load.md).")
+                     ] = False,
 ) -> None:
     """Hold N concurrent streams for a while; report latency percentiles, tokens/s and the
-    mesh processes' RSS growth. Exits 1 on any error."""
+    mesh processes' RSS growth. Exits 1 on any error (with --chaos: on any request lost or
+    output different)."""
     from rich.console import Console
     from rich.live import Live
 
@@ -304,6 +310,22 @@ def load(
 
     if drafter not in ("", "model", "ngram"):
         raise typer.BadParameter("--drafter must be model or ngram")
+    if chaos:
+        if addr or drafter == "ngram":
+            raise typer.BadParameter("--chaos kills and restarts the processes of a mesh it "
+                                     "starts itself (model drafters): leave out --addr and "
+                                     "--drafter ngram")
+        from specmesh.chaos import ChaosOptions, chaos_command
+
+        try:
+            equal = chaos_command(ChaosOptions(streams=streams, duration_s=duration,
+                                               max_new_tokens=max_new_tokens, seed=seed,
+                                               request_timeout_s=timeout), json_path)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        if not equal:
+            raise typer.Exit(1)
+        return
     err, out = Console(stderr=True), Console()
     opts = LoadOptions(streams=streams, duration_s=duration, max_new_tokens=max_new_tokens,
                        drafter=drafter, seed=seed, timeout_s=timeout, tls_ca=tls_ca,

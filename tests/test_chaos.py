@@ -1,0 +1,71 @@
+"""Chaos under load (issue #12 item 2): two gateways, two drafters, two verifiers and a Redis,
+each a real process; concurrent greedy streams while every one of them is SIGKILLed and started
+again in turn. The clients resume a cut stream on the other gateway (session_id + resume_from)
+or send a request again as the README says; every request must complete, and every output must
+equal the target's own HF greedy generate for its prompt. Bounded: one round of kills (seven),
+about two minutes on a 2-core machine."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from specmesh.chaos import (
+    KILL_ORDER,
+    ChaosOptions,
+    build_chaos_report,
+    run_chaos,
+    start_chaos_mesh,
+)
+from specmesh.cli import app
+from specmesh.loadtest import PROMPTS
+from tests.conftest import hf_greedy
+
+MAX_NEW_TOKENS = 24
+FINISH_LENGTH, FINISH_EOS = 1, 2
+
+
+@pytest.fixture(scope="module")
+def hf_reference(target_model) -> dict[int, tuple[list[int], int]]:
+    """What an intact mesh must answer: HF generate(do_sample=False) of the target."""
+    model, tokenizer = target_model
+    out = {}
+    for i, prompt in enumerate(PROMPTS):
+        tokens = hf_greedy(model, tokenizer(prompt)["input_ids"], MAX_NEW_TOKENS)
+        out[i] = (tokens, FINISH_LENGTH if len(tokens) == MAX_NEW_TOKENS else FINISH_EOS)
+    return out
+
+
+def test_streams_survive_every_tier_and_redis_killed_in_turn(tiny_pair, hf_reference,
+                                                             tmp_path):
+    cmesh = start_chaos_mesh(*tiny_pair, tmp_path / "logs")
+    try:
+        opts = ChaosOptions(streams=3, cycles=1, duration_s=240, max_new_tokens=MAX_NEW_TOKENS,
+                            pause_s=1.5, request_timeout_s=120, restart_timeout_s=120)
+        records, kills, wall_s = run_chaos(cmesh, PROMPTS, opts)
+        # every process is up again and answers after the chaos
+        assert all(p.popen.poll() is None for p in cmesh.mesh.procs)
+        assert cmesh.redis.popen.poll() is None
+    finally:
+        cmesh.stop()
+    report = build_chaos_report(records, kills, wall_s, hf_reference, opts)
+
+    assert [k.name for k in kills] == list(KILL_ORDER), report["kill_log"]
+    assert report["kills"] == {"gateway": 2, "drafter": 2, "verifier": 2, "redis": 1}
+    assert report["lost"] == 0, report["lost_details"]
+    for r in records:
+        assert (r.tokens, r.finish) == hf_reference[r.prompt_index], (
+            r.prompt_index, r.resumes, r.retries, dict(r.transient))
+        assert r.completion_tokens == len(r.tokens)
+    assert report["all_equal"] and report["requests"] == report["completed"] >= 2 * len(kills)
+    # The gateway kills cut streams that had chunks: they went on elsewhere by resume_from,
+    # not by sending the request again.
+    assert report["resumes"] >= 1, report
+    assert report["tokens_total"] == sum(len(r.tokens) for r in records)
+
+
+def test_load_chaos_starts_its_own_mesh():
+    """--chaos kills processes it started itself; it refuses a remote mesh (--addr)."""
+    result = CliRunner().invoke(app, ["load", "--chaos", "--addr", "127.0.0.1:1"])
+    assert result.exit_code == 2
+    assert "--chaos" in result.output and "--addr" in result.output
