@@ -32,7 +32,7 @@ from gateway.telemetry import RequestTelemetry
 from gateway.turns import TurnRecord, resumed_spec
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, PermissionDenied, Unavailable
-from services.messages import check_token_ids
+from services.messages import TokenLogprobs, check_token_ids
 from services.metrics import GatewayMetrics
 from services.session_store import SessionHandle, SessionStore
 
@@ -63,6 +63,7 @@ class Chunk:
     finish: Finish | None = None
     usage: Usage | None = None
     offset: int = 0  # session position of the first token
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -361,7 +362,7 @@ class GenerationEngine:
             with trace.use_span(round_span, end_on_exit=True):
                 r = await self.rounds.run(h, spec.params, k, kind, req.seed, req.usage.rounds,
                                           req.deadline, req.prefetch,
-                                          self._acceptance(kind).alpha(0.7))
+                                          self._acceptance(kind).alpha(0.7), spec.logprobs)
                 req.prefetch = r.prefetch
                 self._learn(req, kind, r)
                 req.last_round = (start, r)
@@ -372,7 +373,8 @@ class GenerationEngine:
             if finish is not None:
                 self.telemetry.record_finish(span, req, finish)
             yield Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
-                        usage=req.usage if finish else None, offset=len(h.tokens) - len(kept))
+                        usage=req.usage if finish else None, offset=len(h.tokens) - len(kept),
+                        logprobs=r.logprobs[:len(kept)])
 
     async def _save(self, req: _Request, added: int, final: bool) -> None:
         """Commits the round's ``added`` tokens and any an earlier round left pending. While

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from services.config import GatewayConfig
 from services.errors import InvalidArgument
+from services.messages import MAX_TOP_LOGPROBS
 from services.params import SamplingParams
 from specmesh.v1 import gateway_pb2
 
@@ -30,6 +31,7 @@ class GenerationSpec:
     keep_session: bool
     resume_from: int = 0  # re-send the session's tokens from this position first
     explicit: frozenset[str] = frozenset()  # settings the request gave ("sampling.top_k", ...)
+    logprobs: int = -1  # -1: none; n >= 0: each token's logprob and the top n alternatives
 
 
 def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -> GenerationSpec:
@@ -78,6 +80,11 @@ def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -
     if spec.drafter not in ("", "model", "ngram"):
         raise InvalidArgument(f"speculation.drafter must be \"model\", \"ngram\" or empty (the "
                               f"gateway's default), got {spec.drafter!r}")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got "
+                              f"{req.top_logprobs}")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs = true")
     explicit = {f"sampling.{name}" for name in
                 ("temperature", "top_p", "top_k", "max_new_tokens", "seed") if s.HasField(name)}
     explicit |= {name for name, given in (("sampling.stop", bool(stop)),
@@ -98,4 +105,5 @@ def spec_from_request(req: gateway_pb2.GenerateRequest, config: GatewayConfig) -
         keep_session=req.keep_session or bool(req.session_id),
         resume_from=req.resume_from,
         explicit=frozenset(explicit),
+        logprobs=req.top_logprobs if req.logprobs else -1,
     )

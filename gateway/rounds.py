@@ -39,6 +39,7 @@ from services.messages import (
     DraftCall,
     DraftResult,
     SpeculateCall,
+    TokenLogprobs,
     VerifyCall,
     VerifyResult,
 )
@@ -94,6 +95,7 @@ class RoundResult:
     warm: bool = True  # both calls found their caches (no prefill or resync in the timings)
     prefetch: SpecCache | None = None  # drafts for the next round, if prepared
     waited_ms: float = 0.0  # time spent awaiting replicas (the rest of the round is the gateway's)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # of ``proposed``, when the request asked for them
 
     @property
     def proposed(self) -> list[int]:
@@ -110,7 +112,8 @@ class RoundRunner:
 
     async def run(self, h: SessionHandle, params: SamplingParams, k: int, kind: str, seed: int,
                   round_index: int, deadline: Callable[[], float | None],
-                  prefetch: SpecCache | None = None, acceptance: float = 0.7) -> RoundResult:
+                  prefetch: SpecCache | None = None, acceptance: float = 0.7,
+                  logprobs: int = -1) -> RoundResult:
         """Takes round ``round_index``'s k drafts from ``prefetch`` when it holds the branch
         that was committed, else drafts them with a drafter of ``kind`` (k = 0: none), and
         verifies them for session ``h``; with the speculation cache on, drafts the next
@@ -133,7 +136,7 @@ class RoundRunner:
         mid = time.perf_counter()
         drafted = draft if draft is not None and draft.token_ids else None
         verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
-                              deadline)
+                              deadline, logprobs)
         ahead = None
         if drafted is not None and self.config.pipeline and h.drafter:
             valid = old if fresh else min(h.drafter_len, old)
@@ -163,7 +166,8 @@ class RoundRunner:
             draft_compute_ms=draft.compute_ms if fresh else 0.0,
             verify_compute_ms=result.compute_ms, pipeline=outcome, prefetch=spec,
             warm=result.cache_hit and (not fresh or draft.cache_hit),
-            waited_ms=(end - mid + (mid - start if fresh else 0.0)) * 1000)
+            waited_ms=(end - mid + (mid - start if fresh else 0.0)) * 1000,
+            logprobs=result.logprobs)
 
     def _fanout(self, replica) -> int:
         """Branches to ask for: the configured fan-out shared by the calls the drafter is
@@ -252,7 +256,8 @@ class RoundRunner:
         return result
 
     async def _verify(self, h: SessionHandle, params: SamplingParams,
-                      draft: DraftResult | None, seed: int, deadline) -> VerifyResult:
+                      draft: DraftResult | None, seed: int, deadline,
+                      logprobs: int = -1) -> VerifyResult:
         sparse = draft is not None and not params.greedy
 
         async def call(replica, base: int) -> VerifyResult:
@@ -260,7 +265,7 @@ class RoundRunner:
                 cache=_delta(h.session_id, h.tokens, base),
                 draft_ids=draft.token_ids if draft else (),
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
-                params=params, seed=seed), self._timeout(deadline))
+                params=params, seed=seed, logprobs=logprobs), self._timeout(deadline))
 
         result = await self._on_replica(h, self.verifiers, "verifier", call)
         if result is None:

@@ -208,7 +208,12 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(engine, config, auth),
                                                        server)
 
+    health: list = []  # the gRPC health servicer, once serve() has made it
+    http = _http_server(config, engine, auth, telemetry, health)
+
     async def on_stop() -> None:
+        if http is not None:
+            await http.stop()
         for watcher in watchers:
             watcher.stop()
         if poller is not None:
@@ -220,7 +225,34 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
 
     name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
     await serve(config.server, register, [name], on_stop=on_stop,
-                interceptors=telemetry.server_interceptors())
+                interceptors=telemetry.server_interceptors(), on_health=health.append,
+                on_started=(lambda _: http.start()) if http is not None else None)
+
+
+def _http_server(config: GatewayConfig, engine: GenerationEngine, auth: Authenticator,
+                 telemetry: Telemetry, health: list):
+    """The OpenAI-compatible HTTP API (--http-port), bound now, served once gRPC is up;
+    its readiness follows the gRPC health status (``health`` gets the servicer)."""
+    if not config.http_port:
+        return None
+    from grpc_health.v1 import health_pb2
+
+    from gateway.http.app import HttpContext, build_app
+    from gateway.http.serve import HttpServer
+
+    async def ready() -> bool:
+        if not health:
+            return False
+        reply = await health[0].Check(health_pb2.HealthCheckRequest(service=""), None)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    app = build_app(HttpContext(engine=engine, config=config, auth=auth, ready=ready,
+                                tracer=telemetry.tracer, meter=telemetry.meter))
+    try:
+        return HttpServer(app, config.server, config.http_port)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on HTTP port {config.http_port}: {exc.strerror}"
+                           " (pick another --http-port)") from exc
 
 
 def run(config: GatewayConfig, telemetry_config: TelemetryConfig, wait_s: float = 120.0) -> None:

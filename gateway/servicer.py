@@ -26,10 +26,19 @@ def _usage(u: Usage | None) -> gateway_pb2.Usage | None:
                              accepted_draft_tokens=u.accepted_draft_tokens)
 
 
+def _logprobs(items) -> list[gateway_pb2.TokenLogprob]:
+    return [gateway_pb2.TokenLogprob(
+        token_id=t.token_id, logprob=t.logprob,
+        top_logprobs=[gateway_pb2.TopLogprob(token_id=i, logprob=lp)
+                      for i, lp in zip(t.top_ids, t.top_logprobs, strict=True)])
+        for t in items]
+
+
 def _chunk(c: Chunk) -> gateway_pb2.GenerateChunk:
     return gateway_pb2.GenerateChunk(text=c.text, token_ids=c.token_ids,
                                      finish_reason=_FINISH[c.finish], session_id=c.session_id,
-                                     usage=_usage(c.usage), offset=c.offset)
+                                     usage=_usage(c.usage), offset=c.offset,
+                                     logprobs=_logprobs(c.logprobs))
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -52,14 +61,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request, context):
         tenant = await self.auth.authenticate(context.invocation_metadata())
         spec = spec_from_request(request, self.config)
-        text, ids, last = [], [], None
+        text, ids, logprobs, last = [], [], [], None
         async for chunk in self.engine.generate(spec, context.time_remaining, tenant):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
             last = chunk
         return gateway_pb2.GenerateResponse(
             text="".join(text), token_ids=ids, finish_reason=_FINISH[last.finish],
-            session_id=last.session_id, usage=_usage(last.usage))
+            session_id=last.session_id, usage=_usage(last.usage), logprobs=_logprobs(logprobs))
 
     @grpc_errors
     async def CloseSession(self, request, context):

@@ -210,6 +210,7 @@ class GatewayConfig:
     drafter_port: int = 50061
     verifier_port: int = 50071
     api_keys: tuple[ApiKey, ...] = ()  # empty: no authentication (say so in the logs)
+    http_port: int = 0  # the OpenAI-compatible HTTP API (docs/api.md); 0 = off
 
     def __post_init__(self) -> None:
         _require(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -234,3 +235,8 @@ class GatewayConfig:
         _require(self.max_inflight >= 1, "max in-flight requests must be >= 1")
         _require(self.default_drafter_kind in ("model", "ngram"),
                  "default drafter kind must be model or ngram")
+        _require(0 <= self.http_port < 65536,
+                 f"HTTP port must be in 0..65535 (0 = off), got {self.http_port}")
+        _require(not self.http_port or self.http_port not in (self.server.port,
+                                                              self.server.health_port),
+                 f"the HTTP port {self.http_port} must differ from the gRPC and health ports")

@@ -13,6 +13,7 @@ from services.messages import (
     ReplicaStats,
     SpeculateCall,
     SpeculateResult,
+    TokenLogprobs,
     VerifyCall,
     VerifyResult,
 )
@@ -110,7 +111,9 @@ def speculate_result_from_pb(m: drafter_pb2.SpeculateResponse) -> SpeculateResul
 def verify_call_to_pb(c: VerifyCall) -> verifier_pb2.VerifyRequest:
     return verifier_pb2.VerifyRequest(cache=delta_to_pb(c.cache), draft_token_ids=c.draft_ids,
                                       draft_dists=_dists(c.q_ids, c.q_probs),
-                                      warp=warp_to_pb(c.params, c.seed))
+                                      warp=warp_to_pb(c.params, c.seed),
+                                      logprobs=c.logprobs >= 0,
+                                      top_logprobs=max(0, c.logprobs))
 
 
 def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
@@ -118,19 +121,28 @@ def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
     return VerifyCall(cache=delta_from_pb(m.cache), draft_ids=tuple(m.draft_token_ids),
                       q_ids=tuple(tuple(d.token_ids) for d in m.draft_dists),
                       q_probs=tuple(tuple(d.probs) for d in m.draft_dists),
-                      params=params, seed=seed)
+                      params=params, seed=seed,
+                      logprobs=m.top_logprobs if m.logprobs else -1)
 
 
 def verify_result_to_pb(r: VerifyResult) -> verifier_pb2.VerifyResponse:
-    return verifier_pb2.VerifyResponse(num_accepted=r.num_accepted, extra_token_id=r.extra_token,
-                                       cached_len=r.cached_len, cache_hit=r.cache_hit,
-                                       compute_ms=r.compute_ms, batch_size=r.batch_size)
+    return verifier_pb2.VerifyResponse(
+        num_accepted=r.num_accepted, extra_token_id=r.extra_token, cached_len=r.cached_len,
+        cache_hit=r.cache_hit, compute_ms=r.compute_ms, batch_size=r.batch_size,
+        logprobs=[verifier_pb2.VerifiedLogprob(token_id=t.token_id, logprob=t.logprob,
+                                               top_token_ids=t.top_ids,
+                                               top_logprobs=t.top_logprobs)
+                  for t in r.logprobs])
 
 
 def verify_result_from_pb(m: verifier_pb2.VerifyResponse) -> VerifyResult:
     return VerifyResult(num_accepted=m.num_accepted, extra_token=m.extra_token_id,
                         cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms,
-                        batch_size=max(1, m.batch_size))
+                        batch_size=max(1, m.batch_size),
+                        logprobs=tuple(TokenLogprobs(token_id=t.token_id, logprob=t.logprob,
+                                                     top_ids=tuple(t.top_token_ids),
+                                                     top_logprobs=tuple(t.top_logprobs))
+                                       for t in m.logprobs))
 
 
 def meta_to_pb(meta: ModelMeta, kind: str, max_draft_tokens: int) -> common_pb2.ModelInfo:

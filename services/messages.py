@@ -83,6 +83,20 @@ class SpeculateResult:
     batch_size: int = 1
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probability of one token (log_softmax of its raw logits) and the
+    most likely tokens at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass(frozen=True)
 class VerifyCall:
     cache: CacheDelta
@@ -91,6 +105,7 @@ class VerifyCall:
     q_probs: tuple[tuple[float, ...], ...]
     params: SamplingParams
     seed: int
+    logprobs: int = -1  # -1: none; n >= 0: each returned token's logprob and the top n
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,7 @@ class VerifyResult:
     cache_hit: bool
     compute_ms: float
     batch_size: int = 1  # calls that shared the forward pass
+    logprobs: tuple[TokenLogprobs, ...] = ()  # with VerifyCall.logprobs: num_accepted + 1
 
 
 @dataclass

@@ -26,6 +26,7 @@ async def serve(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     interceptors: list | None = None,
     require_client_cert: bool = False,
+    on_health: Callable[[HealthServicer], None] | None = None,
 ) -> None:
     """Runs a server until SIGTERM/SIGINT; reports SERVING once it listens.
 
@@ -40,6 +41,8 @@ async def serve(
     server = grpc.aio.server(options=config.grpc_options, interceptors=interceptors or ())
     register(server)
     health = HealthServicer()
+    if on_health is not None:  # e.g. the gateway's HTTP readiness follows this status
+        on_health(health)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

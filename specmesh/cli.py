@@ -225,6 +225,11 @@ def gateway(
         "--api-keys", envvar="SPECMESH_API_KEYS",
         help="JSON file of API keys (SHA-256 digests, per-key rate limits; see "
              "`specmesh api-key`). Without it the gateway accepts every client.")] = "",
+    http_port: Annotated[int, typer.Option(
+        "--http-port", envvar="SPECMESH_HTTP_PORT",
+        help="Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+             "/v1/models; docs/api.md) on this port, with the same TLS and API keys; "
+             "0 = off.")] = 0,
 ) -> None:
     """Run the gateway: the public specmesh.v1.Gateway API and the round loop."""
     from gateway.server import StartupError, run
@@ -247,7 +252,7 @@ def gateway(
             default_max_new_tokens=default_max_new_tokens,
             max_new_tokens_cap=max_new_tokens_cap, session_ttl_s=session_ttl_s,
             max_inflight=max_inflight, rpc_timeout_s=rpc_timeout_s,
-            store_outage_s=store_outage_s)
+            store_outage_s=store_outage_s, http_port=http_port)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:

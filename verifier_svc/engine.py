@@ -13,7 +13,7 @@ import torch
 from services.batching import Row, StepJob
 from services.errors import InvalidArgument
 from services.kv_cache import SessionCache
-from services.messages import VerifyCall, VerifyResult
+from services.messages import MAX_TOP_LOGPROBS, TokenLogprobs, VerifyCall, VerifyResult
 from services.model_runner import ModelEngine, check_delta
 from services.sampling import (
     SparseDraft,
@@ -66,6 +66,9 @@ class VerifierEngine(ModelEngine):
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
         check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens, k)
+        if not -1 <= call.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got "
+                                  f"{call.logprobs}")
         draft = self._sparse_draft(call)
         generator = torch.Generator().manual_seed(call.seed)
 
@@ -78,7 +81,7 @@ class VerifierEngine(ModelEngine):
             self.stats.accepted_tokens += accepted
             return VerifyResult(num_accepted=accepted, extra_token=extra,
                                 cached_len=len(entry.tokens), cache_hit=delta.base_len > 0,
-                                compute_ms=ms, batch_size=batch)
+                                compute_ms=ms, batch_size=batch, logprobs=job.logprobs)
 
 
 class _VerifyJob(StepJob):
@@ -90,6 +93,7 @@ class _VerifyJob(StepJob):
         self.entry, self.base_len, self.pending = entry, base_len, pending
         self.call, self.draft, self.generator = call, draft, generator
         self._result: tuple[int, int] | None = None
+        self.logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def done(self) -> bool:
@@ -111,6 +115,26 @@ class _VerifyJob(StepJob):
                                              self.generator)
         entry.crop(self.base_len + len(self.pending) + accepted)
         self._result = (accepted, extra)
+        if self.call.logprobs >= 0:
+            self.logprobs = _logprobs(logits[: accepted + 1],
+                                      [*self.call.draft_ids[:accepted], extra], self.call.logprobs)
 
     def result(self) -> tuple[int, int]:
         return self._result
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprobs, ...]:
+    """Each token's log-probability under the target's raw logits (log_softmax at
+    temperature 1, before any warping: the same with and without speculation) and the
+    ``top`` most likely tokens at its position. logits [n, V] for n tokens."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [n, V]
+    index = torch.tensor(tokens, dtype=torch.long, device=logp.device).unsqueeze(-1)  # [n, 1]
+    chosen = logp.gather(-1, index).squeeze(-1).tolist()  # [n]
+    top = min(top, logp.shape[-1])
+    best_ids, best_lp = ([[]] * len(tokens), [[]] * len(tokens))
+    if top:
+        best = torch.topk(logp, top, dim=-1)  # [n, top]
+        best_ids, best_lp = best.indices.tolist(), best.values.tolist()
+    return tuple(TokenLogprobs(token_id=t, logprob=chosen[i], top_ids=tuple(best_ids[i]),
+                               top_logprobs=tuple(best_lp[i]))
+                 for i, t in enumerate(tokens))

@@ -24,31 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/gateway.proto\x12\x0bspecmesh.v1\"\xd0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x11\n\x0f_max_new_tokensB\x07\n\x05_seed\"O\n\x11SpeculationParams\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x05\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\"\xde\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x33\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x14\n\x0ckeep_session\x18\x06 \x01(\x08\x12\x13\n\x0bresume_from\x18\x07 \x01(\x05\"~\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\x05\"\x9c\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specmesh.v1.Usage\"\xa9\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12\x0e\n\x06offset\x18\x06 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"0\n\x14\x43loseSessionResponse\x12\x18\n\x10\x63ommitted_tokens\x18\x01 \x01(\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\xf5\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1a.specmesh.v1.GenerateChunk0\x01\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/gateway.proto\x12\x0bspecmesh.v1\"\xd0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x11\n\x0f_max_new_tokensB\x07\n\x05_seed\"O\n\x11SpeculationParams\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x05\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\"\x86\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x33\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x14\n\x0ckeep_session\x18\x06 \x01(\x08\x12\x13\n\x0bresume_from\x18\x07 \x01(\x05\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"`\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.specmesh.v1.TopLogprob\"~\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\x05\"\xc9\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\xd6\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12\x0e\n\x06offset\x18\x06 \x01(\x05\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"0\n\x14\x43loseSessionResponse\x12\x18\n\x10\x63ommitted_tokens\x18\x01 \x01(\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\xf5\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1a.specmesh.v1.GenerateChunk0\x01\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1112
-  _globals['_FINISHREASON']._serialized_end=1257
+  _globals['_FINISHREASON']._serialized_start=1389
+  _globals['_FINISHREASON']._serialized_end=1534
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=251
   _globals['_SPECULATIONPARAMS']._serialized_start=253
   _globals['_SPECULATIONPARAMS']._serialized_end=332
   _globals['_GENERATEREQUEST']._serialized_start=335
-  _globals['_GENERATEREQUEST']._serialized_end=557
-  _globals['_USAGE']._serialized_start=559
-  _globals['_USAGE']._serialized_end=685
-  _globals['_GENERATERESPONSE']._serialized_start=688
-  _globals['_GENERATERESPONSE']._serialized_end=844
-  _globals['_GENERATECHUNK']._serialized_start=847
-  _globals['_GENERATECHUNK']._serialized_end=1016
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1018
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1059
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1061
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1109
-  _globals['_GATEWAY']._serialized_start=1260
-  _globals['_GATEWAY']._serialized_end=1505
+  _globals['_GENERATEREQUEST']._serialized_end=597
+  _globals['_TOPLOGPROB']._serialized_start=599
+  _globals['_TOPLOGPROB']._serialized_end=646
+  _globals['_TOKENLOGPROB']._serialized_start=648
+  _globals['_TOKENLOGPROB']._serialized_end=744
+  _globals['_USAGE']._serialized_start=746
+  _globals['_USAGE']._serialized_end=872
+  _globals['_GENERATERESPONSE']._serialized_start=875
+  _globals['_GENERATERESPONSE']._serialized_end=1076
+  _globals['_GENERATECHUNK']._serialized_start=1079
+  _globals['_GENERATECHUNK']._serialized_end=1293
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1295
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1336
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1338
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1386
+  _globals['_GATEWAY']._serialized_start=1537
+  _globals['_GATEWAY']._serialized_end=1782
 # @@protoc_insertion_point(module_scope)

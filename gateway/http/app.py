@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP API as a FastAPI app over the gateway's GenerationEngine:
+the same engine, Redis sessions, API keys and rate limits as the gRPC API, on the same
+event loop (gateway/http/serve.py). docs/api.md documents every field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+from opentelemetry import metrics as metrics_api
+from opentelemetry import trace
+from starlette.exceptions import HTTPException
+
+from gateway.auth import Authenticator
+from gateway.engine import Chunk, GenerationEngine
+from gateway.http.chat import has_template, render_chat, validate_messages
+from gateway.http.errors import ApiError, from_exception
+from gateway.http.observe import Observe
+from gateway.http.responses import Formatter
+from gateway.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_of,
+    spec_of,
+)
+from gateway.requests import GenerationSpec
+from services.config import GatewayConfig
+from services.errors import SpecMeshError
+
+
+@dataclass
+class HttpContext:
+    engine: GenerationEngine
+    config: GatewayConfig
+    auth: Authenticator
+    ready: Callable[[], Awaitable[bool]]  # follows the gRPC health status
+    tracer: trace.Tracer | None = None
+    meter: metrics_api.Meter | None = None
+
+
+def model_ids(model: str) -> tuple[str, ...]:
+    """The served model's id (a local directory's name, else the hub name) and the name it
+    was started with; requests may use either."""
+    local = Path(model)
+    primary = local.name if model and local.is_dir() else model
+    return (primary, model) if primary != model else (primary,)
+
+
+def _metadata(request: Request) -> list[tuple[str, str]]:
+    return [(name, request.headers[name]) for name in ("authorization", "x-api-key")
+            if name in request.headers]
+
+
+class OpenAIApi:
+    def __init__(self, ctx: HttpContext) -> None:
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.tokenizer = ctx.engine.tokenizer
+        self.ids = model_ids(ctx.engine.limits.model)
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.ids:
+            raise ApiError(404, f"the model {name!r} does not exist: this server serves "
+                                f"{self.ids[0]!r} (GET /v1/models)", param="model",
+                           code="model_not_found")
+
+    async def models(self, request: Request) -> dict:
+        await self.ctx.auth.authenticate(_metadata(request))
+        return {"object": "list", "data": [{
+            "id": self.ids[0], "object": "model", "created": 0, "owned_by": "specmesh",
+            "max_model_len": self.engine.limits.max_context}]}
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        tenant = await self.ctx.auth.authenticate(_metadata(request))
+        self.check_model(body.model)
+        prompt, prompt_ids = prompt_of(body)
+        spec = spec_of(body, self.ctx.config, prompt, prompt_ids, body.max_tokens,
+                       completion_logprobs(body))
+        fmt = Formatter(self.tokenizer, self.ids[0], chat=False, logprobs=spec.logprobs)
+        return await self._respond(spec, fmt, body, tenant)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        tenant = await self.ctx.auth.authenticate(_metadata(request))
+        self.check_model(body.model)
+        messages = validate_messages(body.messages)
+        continuing = bool(body.session_id)
+        text = render_chat(self.tokenizer, messages, continuing)
+        max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                      else body.max_tokens)
+        spec = spec_of(body, self.ctx.config, text, (), max_tokens, chat_logprobs(body))
+        if has_template(self.tokenizer) and not continuing:
+            # The template writes the special tokens (BOS) itself: tokenize without adding.
+            ids = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=False)
+            spec = replace(spec, prompt="", prompt_ids=tuple(ids["input_ids"]))
+        fmt = Formatter(self.tokenizer, self.ids[0], chat=True, logprobs=spec.logprobs)
+        return await self._respond(spec, fmt, body, tenant)
+
+    async def close_session(self, session_id: str, request: Request) -> dict:
+        tenant = await self.ctx.auth.authenticate(_metadata(request))
+        count = await self.engine.close_session(session_id, tenant)
+        return {"id": session_id, "object": "session.deleted", "deleted": True,
+                "committed_tokens": count}
+
+    async def _respond(self, spec: GenerationSpec, fmt: Formatter, body, tenant):
+        if body.user:
+            trace.get_current_span().set_attribute("gen_ai.request.user", body.user)
+        chunks = self.engine.generate(spec, lambda: None, tenant)
+        try:  # errors before the first token are the request's HTTP status
+            first = await anext(chunks)
+            if body.stream:
+                usage = bool(body.stream_options and body.stream_options.include_usage)
+                return EventSourceResponse(self._events(chunks, first, fmt, usage))
+            text, merged, last = [first.text], replace(first), first
+            merged.token_ids, merged.logprobs = list(first.token_ids), list(first.logprobs)
+            async for chunk in chunks:
+                text.append(chunk.text)
+                merged.token_ids.extend(chunk.token_ids)
+                merged.logprobs.extend(chunk.logprobs)
+                last = chunk
+        except BaseException:
+            await chunks.aclose()
+            raise
+        return fmt.whole("".join(text), merged, last)
+
+    @staticmethod
+    async def _events(chunks: AsyncIterator[Chunk], first: Chunk, fmt: Formatter,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE stream: a chunk per round, the usage chunk when asked, then [DONE]. An
+        error after the first chunk ends the stream with one error event (the status is
+        already sent)."""
+        chunk, last = first, None
+        try:
+            while True:
+                data = fmt.stream_chunk(chunk, include_usage, first=chunk is first)
+                yield format_sse_event(data_str=json.dumps(data))
+                if chunk.finish is not None:
+                    last = chunk
+                    break
+                chunk = await anext(chunks)
+            if include_usage:
+                yield format_sse_event(data_str=json.dumps(fmt.usage_chunk(last)))
+            yield format_sse_event(data_str="[DONE]")
+        except Exception as exc:  # noqa: BLE001 - reported in the stream itself
+            error = from_exception(exc)
+            trace.get_current_span().set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            yield format_sse_event(data_str=json.dumps(error.body()))
+        finally:
+            await chunks.aclose()
+
+
+def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """Pydantic's complaint about a body field, as a 400 naming the field."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    field = ".".join(loc)
+    message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
+    return ApiError(400, message, param=field or None).response()
+
+
+def build_app(ctx: HttpContext) -> FastAPI:
+    api = OpenAIApi(ctx)
+    app = FastAPI(title="SpecMesh OpenAI-compatible API", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(Observe, tracer=ctx.tracer or trace.get_tracer("specmesh"),
+                       meter=ctx.meter or metrics_api.get_meter("specmesh"))
+    app.add_exception_handler(ApiError, lambda _, exc: exc.response())
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, lambda _, exc: ApiError(
+        exc.status_code, f"{exc.detail}: see docs/api.md for the routes",
+        code="not_found" if exc.status_code == 404 else None).response())
+    for domain in (SpecMeshError, ValueError, Exception):  # Exception: a 500, logged
+        app.add_exception_handler(domain, lambda _, exc: from_exception(exc).response())
+    app.get("/v1/models")(api.models)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat)
+    app.delete("/v1/sessions/{session_id}")(api.close_session)
+
+    @app.get("/health")
+    async def health() -> dict:  # liveness: the process and its event loop answer
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():  # readiness: the gRPC health status of the gateway
+        if await ctx.ready():
+            return {"status": "serving"}
+        return JSONResponse({"status": "not_serving"}, status_code=503)
+
+    return app

@@ -1,0 +1,95 @@
+"""Engine chunks -> OpenAI response bodies and stream chunks (completions and chat)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from gateway.engine import Chunk, Finish, Usage
+
+# EOS and a stop string end the text as OpenAI's "stop"; max_tokens and a full context
+# window as "length".
+FINISH = {Finish.EOS: "stop", Finish.STOP: "stop", Finish.LENGTH: "length",
+          Finish.CONTEXT: "length", None: None}
+
+
+def usage_body(u: Usage) -> dict:
+    """OpenAI's usage, plus the speculation figures (extension)."""
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "speculation": {"rounds": u.rounds, "draft_tokens": u.draft_tokens,
+                            "accepted_draft_tokens": u.accepted_draft_tokens}}
+
+
+class Formatter:
+    """Builds one request's bodies; ``chat`` picks the chat.completion shapes."""
+
+    def __init__(self, tokenizer, model: str, chat: bool, logprobs: int) -> None:
+        self.tokenizer, self.model, self.chat, self.logprobs = tokenizer, model, chat, logprobs
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text_offset = 0
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def logprobs_body(self, chunk: Chunk, text_before: int = 0):
+        """The logprobs of the chunk's tokens in the endpoint's shape (None when not asked)."""
+        if self.logprobs < 0:
+            return None
+        if self.chat:
+            return {"content": [{
+                "token": self._token(t.token_id), "logprob": t.logprob,
+                "bytes": list(self._token(t.token_id).encode()),
+                "top_logprobs": [{"token": self._token(i), "logprob": lp,
+                                  "bytes": list(self._token(i).encode())}
+                                 for i, lp in zip(t.top_ids, t.top_logprobs, strict=True)],
+            } for t in chunk.logprobs]}
+        tokens = [self._token(t.token_id) for t in chunk.logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in chunk.logprobs],
+                "top_logprobs": [{self._token(i): lp for i, lp in
+                                  zip(t.top_ids, t.top_logprobs, strict=True)}
+                                 for t in chunk.logprobs],
+                "text_offset": offsets}
+
+    def _envelope(self, obj: str, choices: list, usage, session_id: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage, "session_id": session_id}
+
+    def whole(self, text: str, merged: Chunk, last: Chunk) -> dict:
+        """The non-streamed body; ``merged`` holds every chunk's tokens and logprobs."""
+        choice = {"index": 0, "logprobs": self.logprobs_body(merged),
+                  "finish_reason": FINISH[last.finish]}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
+                              usage_body(last.usage), last.session_id)
+
+    def stream_chunk(self, chunk: Chunk, include_usage: bool, first: bool = False) -> dict:
+        """One streamed chunk: the round's text delta (a chat stream's first also carries
+        the assistant role), and on the last the finish reason."""
+        choice = {"index": 0, "logprobs": self.logprobs_body(chunk),
+                  "finish_reason": FINISH[chunk.finish]}
+        if self.chat:
+            delta = {"role": "assistant"} if first else {}
+            if chunk.text or first:
+                delta["content"] = chunk.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = chunk.text
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion",
+                              [choice], None, chunk.session_id)
+        if not include_usage:
+            del body["usage"]
+        return body
+
+    def usage_chunk(self, last: Chunk) -> dict:
+        """stream_options.include_usage: the extra last chunk, no choices, the usage."""
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
+                              usage_body(last.usage), last.session_id)
