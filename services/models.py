@@ -65,14 +65,22 @@ def describe(name: str, model, tokenizer) -> ModelMeta:
     )
 
 
-def load_for_serving(path: str, device_name: str, dtype: str, threads: int):
-    """Loads model and tokenizer, runs one warm-up forward; returns (model, meta, device)."""
+def load_for_serving(path: str, device_name: str, dtype: str, threads: int,
+                     forward: str = "auto"):
+    """Loads model and tokenizer, runs one warm-up forward; returns (model, meta, device).
+    ``forward`` "auto" runs supported models with the lean forward (services/lean_llama.py),
+    "hf" with transformers' own."""
+    from services.lean_llama import lean_forward
+
     if threads > 0:
         torch.set_num_threads(threads)
     device = resolve_device(device_name)
     model = load_causal_lm(path, device, dtype)
     tokenizer = load_tokenizer(path)
     meta = describe(path, model, tokenizer)
+    model, why_not = lean_forward(model, forward)
+    log.info("%s runs with %s", path, f"transformers' forward ({why_not})" if why_not
+             else "the lean forward")
     with torch.inference_mode():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
     log.info("loaded %s on %s: vocab %d, context %d, fingerprint %s", path, device,

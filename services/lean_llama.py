@@ -1,0 +1,173 @@
+"""A lean forward pass for Llama-architecture models: the same maths as transformers' eager
+``LlamaForCausalLM.forward`` with the SDPA attention, without its per-call Python layers.
+
+Why: a replica's forward pass is on every round's critical path. On a CPU, a small model's
+HF forward spends much of its time in Python around the kernels (output capturing,
+config-default decorators, mask construction, per-layer modules): for the 2-layer demo
+drafter about half of each forward, for the 6-layer demo target about a quarter
+(docs/performance.md, "Lean forward"). This module runs the same kernels on the same
+weights in the same order:
+
+    x = embed(ids)                                               # [B, m, h]
+    per layer:  h = rms(x) ; q, k, v = split(h @ Wqkv)           # q/k/v projections fused
+                q, k = rope(q, k, position_ids)                  # HF's own rotary module
+                k, v = cache.update(k, v, layer)                 # [B, KV, P+m, D]
+                x = x + sdpa(q, k, v, mask, gqa) @ Wo
+                h = rms(x) ; g, u = split(h @ Wgu)               # gate/up fused
+                x = x + (silu(g) * u) @ Wdown
+    logits = rms(x[:, -keep:]) @ Wlm
+
+The fused weights are one tensor each whose slices replace the HF modules' weights (views:
+no second copy, and the state dict, hence the model's fingerprint, is unchanged). Whatever
+this module does not support falls back to the HF forward (``lean_forward`` says which).
+The tests check its logits against HF's, alone and batched with padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def unsupported_reason(model) -> str:
+    """Why ``model`` cannot use the lean forward ("" when it can)."""
+    c = model.config
+    if getattr(c, "model_type", "") != "llama":
+        return f"model type {getattr(c, 'model_type', '?')!r} is not llama"
+    if getattr(c, "hidden_act", "silu") != "silu":
+        return f"activation {c.hidden_act!r} is not silu"
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        return "projections with biases"
+    if (getattr(c, "pretraining_tp", 1) or 1) != 1:
+        return "pretraining_tp > 1"
+    if not hasattr(getattr(model, "model", None), "rotary_emb"):
+        return "no rotary embedding module"
+    return ""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 KV) D, h]
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, h]
+    down: torch.Tensor
+
+
+@dataclass
+class LeanOutput:
+    logits: torch.Tensor  # [B, keep, V]
+
+
+def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
+    """One weight for several projections of the same input; each module's weight becomes a
+    view into it, so memory and the state dict stay as they were."""
+    fused = torch.cat([lin.weight.data for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+class LeanLlama(torch.nn.Module):
+    """Wraps a loaded ``LlamaForCausalLM``; call it like the HF model with ``input_ids``,
+    ``position_ids``, ``past_key_values`` (a transformers ``Cache``), ``attention_mask``
+    (2-D, 1 = real key, covering past and new positions) and ``logits_to_keep``."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"the lean forward does not support this model: {reason}")
+        self.hf = model
+        self.config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
+        c = model.config
+        self._heads = c.num_attention_heads
+        self._kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self._head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self._inter = c.intermediate_size
+        self._eps = c.rms_norm_eps
+        self._layers = []
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self._layers.append(_Layer(
+                ln1=layer.input_layernorm.weight, qkv=_fuse(a.q_proj, a.k_proj, a.v_proj),
+                o=a.o_proj.weight, ln2=layer.post_attention_layernorm.weight,
+                gate_up=_fuse(mlp.gate_proj, mlp.up_proj), down=mlp.down_proj.weight))
+
+    def get_output_embeddings(self):
+        return self.hf.get_output_embeddings()
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._eps)
+        return weight * x.to(dtype)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def _mask(self, batch: int, m: int, past: int, attention_mask, device) -> torch.Tensor | None:
+        """[B, 1, m, past+m] bool (True = may attend), or None for one query and no padding."""
+        if attention_mask is None and m == 1:
+            return None
+        keys = past + m
+        causal = torch.ones(m, keys, dtype=torch.bool, device=device).tril(diagonal=past)
+        if attention_mask is None:
+            return causal[None, None]
+        return causal[None, None] & attention_mask.to(device=device, dtype=torch.bool)[:, None,
+                                                                                      None, -keys:]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                past_key_values=None, attention_mask: torch.Tensor | None = None,
+                use_cache: bool = True, logits_to_keep: int = 0, **_ignored) -> LeanOutput:
+        B, m = input_ids.shape
+        if past_key_values is None:
+            from transformers import DynamicCache
+
+            past_key_values = DynamicCache(config=self.config)
+        past = past_key_values.get_seq_length()
+        if position_ids is None:
+            position_ids = torch.arange(past, past + m, device=input_ids.device)[None].expand(B, m)
+        H, KV, D = self._heads, self._kv_heads, self._head_dim
+        x = self.hf.model.embed_tokens(input_ids)  # [B, m, h]
+        cos, sin = self.hf.model.rotary_emb(x, position_ids)  # [B, m, D]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, m, D]
+        mask = self._mask(B, m, past, attention_mask, x.device)
+        for i, w in enumerate(self._layers):
+            h = self._rms(x, w.ln1)
+            q, k, v = F.linear(h, w.qkv).split([H * D, KV * D, KV * D], dim=-1)
+            q = q.view(B, m, H, D).transpose(1, 2)  # [B, H, m, D]
+            k = k.view(B, m, KV, D).transpose(1, 2)  # [B, KV, m, D]
+            v = v.view(B, m, KV, D).transpose(1, 2)
+            q = q * cos + self._rotate_half(q) * sin
+            k = k * cos + self._rotate_half(k) * sin
+            k, v = past_key_values.update(k, v, i)  # [B, KV, past+m, D]
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KV != H)
+            x = x + F.linear(attn.transpose(1, 2).reshape(B, m, H * D), w.o)
+            h = self._rms(x, w.ln2)
+            gate, up = F.linear(h, w.gate_up).split([self._inter, self._inter], dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        keep = m if not logits_to_keep else min(logits_to_keep, m)
+        x = self._rms(x[:, -keep:], self.hf.model.norm.weight)
+        return LeanOutput(logits=self.hf.lm_head(x))  # [B, keep, V]
+
+
+def lean_forward(model, mode: str):
+    """The model a replica runs: ``mode`` "auto" wraps supported models in LeanLlama, "hf"
+    keeps transformers' forward. Returns (model, the reason it was not wrapped or "")."""
+    if mode not in ("auto", "hf"):
+        raise ValueError(f"forward must be auto or hf, got {mode!r}")
+    if mode == "hf":
+        return model, "--forward hf"
+    reason = unsupported_reason(model)
+    return (model, reason) if reason else (LeanLlama(model), "")

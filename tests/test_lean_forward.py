@@ -1,0 +1,103 @@
+"""The lean Llama forward (services/lean_llama.py) against transformers' own forward.
+
+Real models: the tiny pair built by the fixtures and the committed demo target, loaded with
+``from_pretrained`` twice (one copy wrapped, one left as HF made it). Every comparison runs
+the HF model on its own cache, so an error in the lean path cannot hide in a shared one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from services.batching import Row, forward_one, forward_rows
+from services.lean_llama import LeanLlama, lean_forward, unsupported_reason
+from services.models import fingerprint
+
+DEMO_TARGET = "models/demo-target"
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+def _pair(path: str):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, LeanLlama(twin)
+
+
+@pytest.fixture(scope="module", params=["tiny-target", "tiny-draft", "demo-target"])
+def models(request, tiny_pair):
+    path = {"tiny-target": tiny_pair[0], "tiny-draft": tiny_pair[1],
+            "demo-target": DEMO_TARGET}[request.param]
+    return _pair(path)
+
+
+def _ids(model, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist()
+
+
+def test_prefill_then_steps_match_hf(models):
+    """A prompt, then 1-token and 4-token steps on a growing cache: same logits as HF."""
+    hf, lean = models
+    caches = DynamicCache(config=hf.config), DynamicCache(config=hf.config)
+    start = 0
+    for n, seed in ((37, 0), (1, 1), (4, 2), (1, 3), (5, 4)):
+        row_ids = _ids(hf, n, seed)
+        ref = forward_one(hf, Row(tokens=row_ids, kv=caches[0], start=start, keep=n), "cpu")
+        got = forward_one(lean, Row(tokens=row_ids, kv=caches[1], start=start, keep=n), "cpu")
+        assert got.shape == ref.shape == (n, hf.config.vocab_size)
+        torch.testing.assert_close(got, ref, **TOL)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+        start += n
+    assert caches[1].get_seq_length() == caches[0].get_seq_length() == start
+
+
+def test_batched_rows_with_padding_match_each_row_alone(models):
+    """forward_rows pads pasts on the left and new tokens on the right and passes a 2-D mask:
+    each row's logits through the lean model equal that row run alone through HF."""
+    hf, lean = models
+    plan = [(23, 3), (5, 1), (0, 4), (40, 2)]  # (past tokens, new tokens) per row
+    hf_rows, lean_rows = [], []
+    for b, (past, new) in enumerate(plan):
+        prefix, step = _ids(hf, past, 10 + b), _ids(hf, new, 20 + b)
+        kv_hf, kv_lean = DynamicCache(config=hf.config), DynamicCache(config=hf.config)
+        if past:
+            forward_one(hf, Row(tokens=prefix, kv=kv_hf, start=0, keep=1), "cpu")
+            forward_one(lean, Row(tokens=prefix, kv=kv_lean, start=0, keep=1), "cpu")
+        hf_rows.append(Row(tokens=step, kv=kv_hf, start=past, keep=new))
+        lean_rows.append(Row(tokens=step, kv=kv_lean, start=past, keep=new))
+    refs = [forward_one(hf, row, "cpu") for row in hf_rows]
+    got = forward_rows(lean, lean_rows, "cpu", lambda: DynamicCache(config=hf.config))
+    for (past, new), ref, out, row in zip(plan, refs, got, lean_rows, strict=True):
+        torch.testing.assert_close(out, ref, **TOL)
+        assert row.kv.get_seq_length() == past + new  # each session's cache got its tokens
+
+
+def test_wrapping_keeps_weights_state_dict_and_fingerprint(tiny_pair):
+    """Fused projections are views of one tensor: the HF modules still hold the same
+    values, the state dict is unchanged, so replicas agree on the target's fingerprint."""
+    plain = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    twin = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    before = fingerprint(twin)
+    lean = LeanLlama(twin)
+    assert fingerprint(twin) == before == fingerprint(plain)
+    q_proj = twin.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.data_ptr() == lean._layers[0].qkv.data_ptr()  # a view, not a copy
+    torch.testing.assert_close(q_proj, plain.model.layers[0].self_attn.q_proj.weight)
+    assert sum(p.numel() for p in lean.parameters()) == sum(p.numel() for p in plain.parameters())
+
+
+def test_unsupported_models_keep_the_hf_forward(tiny_pair):
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).eval()
+    assert unsupported_reason(model) == ""
+    model.config.attention_bias = True  # e.g. Qwen2-style q/k/v biases
+    kept, reason = lean_forward(model, "auto")
+    assert kept is model and "bias" in reason
+    with pytest.raises(ValueError, match="bias"):
+        LeanLlama(model)
+    model.config.attention_bias = False
+    assert isinstance(lean_forward(model, "auto")[0], LeanLlama)
+    assert lean_forward(model, "hf")[0] is model
+    with pytest.raises(ValueError, match="auto or hf"):
+        lean_forward(model, "fast")
