@@ -9,6 +9,9 @@ service's Prometheus endpoint.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -225,3 +228,25 @@ def test_dashboard_and_docs_name_only_metrics_that_exist(traced_mesh):
     queried = set(re.findall(r"\b((?:specmesh|gen_ai)_[a-z_]+)\b", text))
     assert queried, "no metric found in the dashboard"
     assert sorted(queried - exported) == []
+
+
+def test_no_tracing_cost_without_an_exporter():
+    """Without an OTLP endpoint no span is recorded and no gRPC interceptor runs on any hop;
+    with one, both are there. Run in fresh interpreters: setup() installs global providers."""
+    probe = ("from services.telemetry import TelemetryConfig, setup\n"
+             "import os\n"
+             "t = setup(TelemetryConfig(service='verifier', log_format='text',"
+             " env=dict(os.environ)))\n"
+             "span = t.tracer.start_span('x')\n"
+             "print(t.tracing, len(t.server_interceptors()), len(t.client_interceptors()),"
+             " span.is_recording())\n")
+
+    def run(env: dict) -> str:
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              timeout=60, env=env, check=True).stdout.split()
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    assert run(base) == ["False", "0", "0", "False"]
+    traced = run(dict(base, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9"))
+    assert traced[0] == "True" and int(traced[1]) >= 1 and int(traced[2]) >= 1
+    assert traced[3] == "True"
