@@ -13,6 +13,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services.config import ServerConfig
+from services.decode_guard import DecodeGuard
 from services.tls import server_credentials
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,9 @@ async def serve(
     CA is configured); ``config.health_port`` adds a plaintext port that serves nothing but
     grpc.health.v1, for probes that cannot speak TLS.
     """
-    server = grpc.aio.server(options=config.grpc_options, interceptors=interceptors or ())
+    # DecodeGuard innermost: bytes that are not a valid request get INVALID_ARGUMENT.
+    server = grpc.aio.server(options=config.grpc_options,
+                             interceptors=[*(interceptors or ()), DecodeGuard()])
     register(server)
     health = HealthServicer()
     if on_health is not None:  # e.g. the gateway's HTTP readiness follows this status
