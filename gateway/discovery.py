@@ -30,6 +30,16 @@ OnChange = Callable[[frozenset[str]], None]
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
+def require_kubernetes() -> None:
+    """The kubernetes client is an extra (``pip install 'specmesh[kubernetes]'``), imported
+    only when Kubernetes discovery is used; ImportError naming the extra when it is missing."""
+    try:
+        import kubernetes  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("kubernetes discovery needs the kubernetes client: pip install "
+                          "'specmesh[kubernetes]'") from exc
+
+
 def format_address(ip: str, port: int) -> str:
     """``ip:port``; IPv6 addresses are bracketed (``[fd00::1]:50071``) as gRPC expects."""
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
@@ -124,6 +134,7 @@ class KubernetesDiscovery(_Observable):
                  on_change: OnChange | None = None, *, watch_timeout_s: int = 240,
                  backoff_s: float = 0.5, max_backoff_s: float = 10.0) -> None:
         super().__init__(on_change)
+        require_kubernetes()
         from kubernetes import client
 
         self._api = client.DiscoveryV1Api(api_client)

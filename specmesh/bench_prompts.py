@@ -1,7 +1,8 @@
 """The prompt set of `specmesh bench`: short code prompts cut from the demo corpus's held-out
 files, plus a few English prose prompts. The set ships as ``bench_prompts.json`` next to this
 module so every run (and every machine) uses the same prompts;
-``python -m specmesh.bench_prompts`` writes it again.
+``python -m specmesh.bench_prompts [--out PATH]`` writes it again (``--help`` only prints
+its help).
 
 How the code prompts are made (deterministic for a given Python standard library):
 
@@ -20,6 +21,9 @@ import json
 import platform
 import textwrap
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 PROMPTS_PATH = Path(__file__).with_name("bench_prompts.json")
 CODE_PROMPTS = 12
@@ -103,7 +107,15 @@ def load_prompts(path: Path = PROMPTS_PATH, limit: int | None = None) -> list[di
     return mixed
 
 
+def main(out: Annotated[Path, typer.Option(
+        help="Where to write the set (default: the shipped bench_prompts.json).")] = PROMPTS_PATH,
+         ) -> None:
+    """Write the prompt set of `specmesh bench` again, from this Python's standard library
+    (how the prompts are chosen: the docstring of specmesh/bench_prompts.py)."""
+    out.write_text(json.dumps(make_prompt_set(), indent=2, ensure_ascii=False) + "\n",
+                   encoding="utf-8")
+    print(f"wrote {out}")
+
+
 if __name__ == "__main__":
-    PROMPTS_PATH.write_text(json.dumps(make_prompt_set(), indent=2, ensure_ascii=False) + "\n",
-                            encoding="utf-8")
-    print(f"wrote {PROMPTS_PATH}")
+    typer.run(main)

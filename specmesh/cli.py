@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from specmesh import loadtest
+from specmesh.model_ref import model_reference
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="SpecMesh: lossless speculative decoding across drafter, verifier and "
@@ -36,7 +35,8 @@ MaxQueue = Annotated[int, typer.Option("--max-queue", envvar="SPECMESH_MAX_QUEUE
 MaxBatch = Annotated[int, typer.Option("--max-batch", envvar="SPECMESH_MAX_BATCH",
                                        help="Calls of different sessions run in one forward "
                                             "pass (micro-batching; 1 = off).")]
-LogLevel = Annotated[str, typer.Option("--log-level", envvar="SPECMESH_LOG_LEVEL")]
+LogLevel = Annotated[str, typer.Option("--log-level", envvar="SPECMESH_LOG_LEVEL",
+                                       help="debug, info, warning or error.")]
 LogFormat = Annotated[str, typer.Option("--log-format", envvar="SPECMESH_LOG_FORMAT",
                                         help="json (one object per line, with trace ids) or "
                                              "text.")]
@@ -98,6 +98,7 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                    advertise: str = "", kv_budget_mb: int = 0, max_batch: int = 16) -> None:
     from services.config import ModelServiceConfig
 
+    model = model_reference(model, "--model")
     try:
         config = ModelServiceConfig(server=server, model=model,
                                     device=device, dtype=dtype, max_sessions=max_sessions,
@@ -203,13 +204,20 @@ def gateway(
     max_support: Annotated[int, typer.Option(envvar="SPECMESH_MAX_SUPPORT",
                                              help="Largest sparse-q support per position.")] = 32,
     default_max_new_tokens: Annotated[int, typer.Option(
-        envvar="SPECMESH_DEFAULT_MAX_NEW_TOKENS")] = 128,
-    max_new_tokens_cap: Annotated[int, typer.Option(envvar="SPECMESH_MAX_NEW_TOKENS_CAP")] = 4096,
-    session_ttl_s: Annotated[int, typer.Option(envvar="SPECMESH_SESSION_TTL_S")] = 3600,
+        envvar="SPECMESH_DEFAULT_MAX_NEW_TOKENS",
+        help="max_new_tokens of requests that set none.")] = 128,
+    max_new_tokens_cap: Annotated[int, typer.Option(
+        envvar="SPECMESH_MAX_NEW_TOKENS_CAP",
+        help="Largest max_new_tokens a request may ask for (more: INVALID_ARGUMENT).")] = 4096,
+    session_ttl_s: Annotated[int, typer.Option(
+        envvar="SPECMESH_SESSION_TTL_S",
+        help="Seconds a kept session's handle lives in Redis after its last use.")] = 3600,
     max_inflight: Annotated[int, typer.Option(envvar="SPECMESH_MAX_INFLIGHT",
                                               help="Concurrent requests before "
                                                    "RESOURCE_EXHAUSTED.")] = 64,
-    rpc_timeout_s: Annotated[float, typer.Option(envvar="SPECMESH_RPC_TIMEOUT_S")] = 30.0,
+    rpc_timeout_s: Annotated[float, typer.Option(
+        envvar="SPECMESH_RPC_TIMEOUT_S",
+        help="Deadline of each call to a drafter or verifier, in seconds.")] = 30.0,
     store_outage_s: Annotated[float, typer.Option(
         "--store-outage-s", envvar="SPECMESH_STORE_OUTAGE_S",
         help="How long a finished request on a kept session waits for an unreachable Redis "
@@ -237,6 +245,14 @@ def gateway(
 
     telemetry = _telemetry("gateway", metrics_port, log_format, log_level)
     server = _server(port, host, tls_cert, tls_key, tls_ca, health_port)
+    model = model_reference(model, "--model") if model else ""
+    if discovery == "kubernetes":
+        from gateway.discovery import require_kubernetes
+
+        try:
+            require_kubernetes()
+        except ImportError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--discovery'") from exc
     try:
         config = GatewayConfig(
             server=server, model=model, redis_url=redis,
@@ -262,119 +278,15 @@ def gateway(
         raise typer.Exit(2) from exc
 
 
-def _default_pair() -> tuple[str, str]:
-    """The demo pair shipped in models/ (docs/models.md); without it (an install that did not
-    copy models/), a tiny random-weight pair that exercises the mesh but writes gibberish."""
-    from services.local_mesh import default_cache_dir
-    from services.tiny_models import build_tiny_pair
+from specmesh import (  # noqa: E402 - commands in their own modules
+    distill_cli,
+    generate_cli,
+    security_cli,
+    up_cli,
+)
 
-    shipped = Path(__file__).resolve().parent.parent / "models"
-    if all((shipped / name / "model.safetensors").exists()
-           for name in ("demo-target", "demo-drafter")):
-        return str(shipped / "demo-target"), str(shipped / "demo-drafter")
-    typer.echo("no demo pair in models/: using a tiny random-weight pair (gibberish output)",
-               err=True)
-    target, draft = build_tiny_pair(default_cache_dir() / "tiny-pair")
-    return str(target), str(draft)
-
-
-@app.command()
-def up(
-    port: Annotated[int, typer.Option(help="Gateway port.")] = 50051,
-    drafters: Annotated[int, typer.Option(help="Model drafter processes.")] = 1,
-    ngram_drafters: Annotated[int, typer.Option(help="Prompt-lookup drafter processes.")] = 0,
-    verifiers: Annotated[int, typer.Option(help="Verifier processes.")] = 1,
-    target: Annotated[str, typer.Option(help="Target model (default: the demo pair in models/).")] = "",
-    draft: Annotated[str, typer.Option(help="Draft model (default: the demo pair in models/).")] = "",
-    redis: Annotated[str, typer.Option(help="External Redis URL (default: embedded).")] = "",
-    log_dir: Annotated[Path | None, typer.Option(help="Where the processes' logs go.")] = None,
-) -> None:
-    """Start the whole mesh locally: Redis, drafters, verifiers and the gateway."""
-    from rich.console import Console
-
-    from services.local_mesh import MeshSpec, run_until_signal, start_mesh
-    from services.models import load_tokenizer, vocab_hash
-
-    console = Console(stderr=True)
-    if bool(target) != bool(draft):
-        raise typer.BadParameter("give both --target and --draft, or neither")
-    if not target:
-        with console.status("finding the demo model pair"):
-            target, draft = _default_pair()
-    with console.status("checking that draft and target share a vocabulary"):
-        t_vocab, d_vocab = vocab_hash(load_tokenizer(target)), vocab_hash(load_tokenizer(draft))
-    if t_vocab and d_vocab and t_vocab != d_vocab:
-        console.print(f"[red]error:[/] draft {draft} and target {target} do not share a "
-                      "vocabulary: pick a draft model trained with the target's tokenizer")
-        raise typer.Exit(2)
-    spec = MeshSpec(target=target, draft=draft, port=port, drafters=drafters,
-                    ngram_drafters=ngram_drafters,
-                    verifiers=verifiers, redis_url=redis, log_dir=log_dir)
-    with console.status("starting the mesh"):
-        mesh = start_mesh(spec, progress=lambda m: console.print(f"  [green]SERVING[/] {m}"))
-    exe = os.path.relpath(Path(sys.executable).parent / "specmesh")
-    exe = exe if not exe.startswith("..") else "specmesh"
-    console.print(f"SpecMesh is up. Gateway: [bold]{mesh.gateway_address}[/]  (logs: "
-                  f"{mesh.procs[0].log_path.parent})\nTry: {exe} generate \"def fib(n):\" "
-                  f"--addr {mesh.gateway_address}   — Ctrl-C stops everything.")
-    raise typer.Exit(run_until_signal(mesh))
-
-
-@app.command()
-def generate(
-    prompt: Annotated[str, typer.Argument(help="Prompt text.")],
-    addr: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1:50051",
-    max_new_tokens: Annotated[int | None, typer.Option()] = None,
-    temperature: Annotated[float | None, typer.Option(help="0 = greedy (default).")] = None,
-    top_p: Annotated[float | None, typer.Option()] = None,
-    top_k: Annotated[int | None, typer.Option()] = None,
-    seed: Annotated[int | None, typer.Option()] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
-    num_draft_tokens: Annotated[int, typer.Option(help="0 = the gateway's choice.")] = 0,
-    no_speculation: Annotated[bool, typer.Option(help="Target-only decoding.")] = False,
-    drafter: Annotated[str, typer.Option(help="Drafter kind: model or ngram (default: the "
-                                              "gateway's).")] = "",
-    session: Annotated[str, typer.Option(help="Continue this session.")] = "",
-    keep_session: Annotated[bool, typer.Option(help="Keep the session for later turns.")] = False,
-    tls_ca: Annotated[str, typer.Option(envvar="SPECMESH_TLS_CA",
-                                        help="Verify a TLS gateway with this CA (PEM).")] = "",
-    tls: Annotated[bool, typer.Option(help="TLS with the system's trusted roots.")] = False,
-    api_key: Annotated[str, typer.Option(envvar="SPECMESH_API_KEY",
-                                         help="API key of a gateway started with --api-keys.")
-                       ] = "",
-) -> None:
-    """Stream a completion from a gateway, then print a one-line summary."""
-    import grpc
-
-    from specmesh.client import GatewayClient, build_request, finish_name
-
-    request = build_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                            num_draft_tokens=num_draft_tokens,
-                            disable_speculation=no_speculation, drafter=drafter,
-                            session_id=session,
-                            keep_session=keep_session)
-    start = time.perf_counter()
-    last = None
-    try:
-        with GatewayClient(addr, tls_ca=tls_ca, tls=tls, api_key=api_key) as client:
-            for chunk in client.stream(request):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                last = chunk
-    except grpc.RpcError as err:
-        typer.echo(f"\nerror: {err.code().name}: {err.details()}", err=True)
-        raise typer.Exit(1) from err
-    seconds = time.perf_counter() - start
-    u = last.usage
-    rate = u.accepted_draft_tokens / u.draft_tokens if u.draft_tokens else 0.0
-    typer.echo(f"\n[{u.completion_tokens} tokens, {u.rounds} rounds, acceptance "
-               f"{rate:.0%}, {u.completion_tokens / seconds:.1f} tokens/s, "
-               f"finish {finish_name(last.finish_reason)}, session {last.session_id}]", err=True)
-
-
-from specmesh import distill_cli, security_cli  # noqa: E402 - commands in their own modules
-
+app.command("up")(up_cli.up)
+app.command("generate")(generate_cli.generate)
 app.command("distill")(distill_cli.distill)
 app.command("api-key")(security_cli.api_key)
 app.command("certs")(security_cli.certs)
@@ -387,8 +299,26 @@ from specmesh import bench  # noqa: E402 - `specmesh bench`, in its own module l
 app.command("bench")(bench.bench)
 
 
+# click's UsageError (BadParameter, NoSuchOption, MissingParameter, ...), whether typer
+# vendors click or uses the package.
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
 def main() -> None:
-    app()
+    """Runs the CLI; a bad value or option is one line on stderr and exit code 2."""
+    try:
+        code = app(standalone_mode=False)
+    except _UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `specmesh` alone: the help
+            exc.show()
+        else:
+            where = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            print(f"error: {exc.format_message()}{where}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

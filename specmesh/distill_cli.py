@@ -21,7 +21,8 @@ def distill(
     batch_size: Annotated[int, typer.Option(help="Windows per step.")] = 8,
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 2e-3,
     temperature: Annotated[float, typer.Option(help="Distillation temperature.")] = 1.0,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the initial weights and of the "
+                                           "batch order.")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")
                       ] = False,
     bf16: Annotated[str, typer.Option(help="auto (when the CPU has AVX-512/AMX), on or off.")

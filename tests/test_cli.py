@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -30,10 +32,29 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
     raise AssertionError(f"{needle!r} never appeared; output:\n{''.join(seen)}")
 
 
+def _free_port_range(n: int) -> int:
+    """The first of ``n`` consecutive ports that are free now."""
+    while True:
+        base = free_port()
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+
+
 def test_up_generate_and_ctrl_c_leave_nothing_behind(tmp_path):
-    port = free_port()
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    up = subprocess.Popen([*SPECMESH, "up", "--port", str(port), "--log-dir", str(tmp_path)],
+    """`SPECMESH_METRICS_PORT=BASE make up` (each service on its own metrics port), a gateway
+    option passed through, a generate, an ngram request the mesh cannot serve, then Ctrl-C:
+    no process and no temporary folder is left."""
+    port, metrics = free_port(), _free_port_range(3)
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "SPECMESH_METRICS_PORT": str(metrics), "TMPDIR": str(tmp_path / "tmp")}
+    up = subprocess.Popen([*SPECMESH, "up", "--port", str(port), "--num-draft-tokens", "2",
+                           "--no-pipeline"],
                           stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
         banner = _wait_for_line(up, "SpecMesh is up", 240)
@@ -41,6 +62,23 @@ def test_up_generate_and_ctrl_c_leave_nothing_behind(tmp_path):
             assert tier in banner
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) == 4  # redis, verifier, drafter, gateway: one process each
+        assert len(list((tmp_path / "tmp").glob("specmesh-*"))) == 1
+        for name, metrics_port in (("gateway", metrics), ("verifier-0", metrics + 1),
+                                   ("drafter-0", metrics + 2)):
+            line = next(line for line in banner.splitlines() if f" {name} " in line + " ")
+            assert f":{metrics_port}/metrics" in line, line
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                        timeout=10) as reply:
+                assert reply.status == 200
+        gateway_cmd = next(" ".join(c.cmdline()) for c in children
+                           if " gateway " in " ".join(c.cmdline()))
+        assert "--num-draft-tokens 2" in gateway_cmd and "--no-pipeline" in gateway_cmd
+
+        ngram = subprocess.run([*SPECMESH, "generate", "x", "--addr", f"127.0.0.1:{port}",
+                                "--drafter", "ngram"],
+                               capture_output=True, text=True, timeout=120, env=env)
+        assert ngram.returncode == 1
+        assert "INVALID_ARGUMENT" in ngram.stderr and "--ngram-drafters 1" in ngram.stderr
 
         gen = subprocess.run([*SPECMESH, "generate", "def fib(n):", "--addr",
                               f"127.0.0.1:{port}", "--max-new-tokens", "24"],
@@ -55,6 +93,7 @@ def test_up_generate_and_ctrl_c_leave_nothing_behind(tmp_path):
         assert up.wait(60) == 0
         time.sleep(0.5)
         assert not [c for c in children if c.is_running() and c.status() != "zombie"]
+        assert not list((tmp_path / "tmp").glob("specmesh-*")), "temporary folder left behind"
     finally:
         if up.poll() is None:
             up.kill()

@@ -1,0 +1,171 @@
+"""`specmesh up`: the whole mesh on this machine, supervised until SIGINT or SIGTERM.
+
+The command takes both signals over on its first line (services/supervisor.py): a signal while
+it checks the models ends it at once; one while the mesh starts or runs stops every process
+already started (Redis, verifiers, drafters, gateway) and removes its temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specmesh.model_ref import model_reference
+
+
+def _default_pair() -> tuple[str, str]:
+    """The demo pair shipped in models/ (docs/models.md); without it (an install that did not
+    copy models/), a tiny random-weight pair that exercises the mesh but writes gibberish."""
+    from services.local_mesh import default_cache_dir
+    from services.tiny_models import build_tiny_pair
+
+    shipped = Path(__file__).resolve().parent.parent / "models"
+    if all((shipped / name / "model.safetensors").exists()
+           for name in ("demo-target", "demo-drafter")):
+        return str(shipped / "demo-target"), str(shipped / "demo-drafter")
+    typer.echo("no demo pair in models/: using a tiny random-weight pair (gibberish output)",
+               err=True)
+    target, draft = build_tiny_pair(default_cache_dir() / "tiny-pair")
+    return str(target), str(draft)
+
+
+def _gateway_args(**options) -> tuple[str, ...]:
+    """Command-line flags of the gateway options given (None = the gateway's default)."""
+    args: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, str(value)]
+    return tuple(args)
+
+
+def up(
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Gateway port.")] = 50051,
+    drafters: Annotated[int, typer.Option(min=0, help="Model drafter processes.")] = 1,
+    ngram_drafters: Annotated[int, typer.Option(
+        min=0, help="Prompt-lookup drafter processes (requests with --drafter ngram need "
+                    "one).")] = 0,
+    verifiers: Annotated[int, typer.Option(min=1, help="Verifier processes.")] = 1,
+    target: Annotated[str, typer.Option(
+        help="Target model: a saved HF model directory or a hub name (default: the demo pair "
+             "in models/).")] = "",
+    draft: Annotated[str, typer.Option(
+        help="Draft model, sharing the target's vocabulary (default: the demo pair in "
+             "models/).")] = "",
+    redis: Annotated[str, typer.Option(help="External Redis URL (default: an embedded "
+                                            "redis-server).")] = "",
+    log_dir: Annotated[Path | None, typer.Option(
+        help="Keep the processes' logs here (default: a temporary folder, removed on "
+             "exit).")] = None,
+    metrics_port: Annotated[int, typer.Option(
+        envvar="SPECMESH_METRICS_PORT", min=0, max=65535,
+        help="Serve Prometheus metrics from BASE: the gateway on BASE, each verifier and "
+             "drafter on the next ports, as printed (0 = off).")] = 0,
+    num_draft_tokens: Annotated[int | None, typer.Option(
+        min=0, help="Gateway: draft tokens per round for requests that set none (0 = "
+                    "adaptive).")] = None,
+    max_adaptive_k: Annotated[int | None, typer.Option(
+        min=1, help="Gateway: largest k the adaptive choice may pick.")] = None,
+    pipeline: Annotated[bool | None, typer.Option(
+        "--pipeline/--no-pipeline", help="Gateway: the speculation cache (default on).")] = None,
+    spec_fanout: Annotated[int | None, typer.Option(
+        min=1, max=64, help="Gateway: most branches the speculation cache drafts per "
+                            "round.")] = None,
+    default_drafter_kind: Annotated[str | None, typer.Option(
+        help="Gateway: drafter kind for requests that name none (model or ngram).")] = None,
+    default_max_new_tokens: Annotated[int | None, typer.Option(
+        min=1, help="Gateway: max_new_tokens of requests that set none.")] = None,
+    max_new_tokens_cap: Annotated[int | None, typer.Option(
+        min=1, help="Gateway: the largest max_new_tokens a request may ask for.")] = None,
+    max_inflight: Annotated[int | None, typer.Option(
+        min=1, help="Gateway: concurrent requests before RESOURCE_EXHAUSTED.")] = None,
+) -> None:
+    """Start the whole mesh locally: Redis, drafters, verifiers and the gateway. SIGINT
+    (Ctrl-C) or SIGTERM stops every process it started, at any point."""
+    from services.supervisor import Stopped, StopSignals
+
+    with StopSignals() as signals:
+        try:
+            code = _up(signals, port=port, drafters=drafters, ngram_drafters=ngram_drafters,
+                       verifiers=verifiers, target=target, draft=draft, redis=redis,
+                       log_dir=log_dir, metrics_port=metrics_port,
+                       gateway_args=_gateway_args(
+                           num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
+                           pipeline=pipeline, spec_fanout=spec_fanout,
+                           default_drafter_kind=default_drafter_kind,
+                           default_max_new_tokens=default_max_new_tokens,
+                           max_new_tokens_cap=max_new_tokens_cap, max_inflight=max_inflight))
+        except Stopped:
+            typer.echo(f"stopped by {_signame(signals.signum)} before anything was started",
+                       err=True)
+            code = signals.exit_code
+    raise typer.Exit(code)
+
+
+def _signame(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
+
+def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, redis, log_dir,
+        metrics_port, gateway_args) -> int:
+    from rich.console import Console
+
+    from services.local_mesh import MeshSpec, StartCancelled, start_mesh
+    from services.supervisor import watch
+
+    console = Console(stderr=True)
+    if bool(target) != bool(draft):
+        raise typer.BadParameter("give both --target and --draft, or neither")
+    if target:
+        target, draft = model_reference(target, "--target"), model_reference(draft, "--draft")
+    else:
+        with console.status("finding the demo model pair"):
+            target, draft = _default_pair()
+    with console.status("checking that draft and target share a vocabulary"):
+        _check_vocabularies(target, draft)
+    spec = MeshSpec(target=target, draft=draft, port=port, drafters=drafters,
+                    ngram_drafters=ngram_drafters, verifiers=verifiers, redis_url=redis,
+                    log_dir=log_dir, metrics_port=metrics_port, extra_gateway_args=gateway_args)
+    signals.raising = False  # from here on processes exist: the start-up polls signals.event
+    try:
+        with console.status("starting the mesh"):
+            mesh = start_mesh(spec, progress=lambda m: console.print(f"  [green]SERVING[/] {m}"),
+                              cancel=signals.event)
+    except StartCancelled:
+        console.print(f"stopped by {_signame(signals.signum)} during start-up; every process "
+                      "started was stopped")
+        return signals.exit_code
+    except RuntimeError as exc:  # a process did not come up: its log's end is in the message
+        typer.echo(f"error: {exc}", err=True)
+        return 1
+    try:
+        exe = os.path.relpath(Path(sys.executable).parent / "specmesh")
+        exe = exe if not exe.startswith("..") else "specmesh"
+        logs = f"logs: {log_dir}" if log_dir else "logs: a temporary folder, removed on exit"
+        console.print(f"SpecMesh is up. Gateway: [bold]{mesh.gateway_address}[/]  ({logs})\n"
+                      f"Try: {exe} generate \"def fib(n):\" --addr {mesh.gateway_address}   — "
+                      "Ctrl-C stops everything.")
+        code = watch(mesh, signals.event)
+    finally:
+        mesh.stop()
+    return code
+
+
+def _check_vocabularies(target: str, draft: str) -> None:
+    from services.models import load_tokenizer, vocab_hash
+
+    t_vocab, d_vocab = vocab_hash(load_tokenizer(target)), vocab_hash(load_tokenizer(draft))
+    if t_vocab and d_vocab and t_vocab != d_vocab:
+        typer.echo(f"error: draft {draft} and target {target} do not share a vocabulary: pick "
+                   "a draft model trained with the target's tokenizer", err=True)
+        raise typer.Exit(2)

@@ -1,0 +1,153 @@
+"""Errors that say what to fix (issue #12 item 5): bad CLI values are one line and exit code 2,
+bytes that are not a request get INVALID_ARGUMENT on every service, help texts are complete,
+`python -m` helpers honour --help, and the summary line is right for target-only requests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+import typer.main
+
+from specmesh.bench_prompts import PROMPTS_PATH
+from specmesh.cli import app
+from specmesh.generate_cli import summary
+from specmesh.v1 import gateway_pb2
+
+SPECMESH = [sys.executable, "-m", "specmesh.cli"]
+
+
+@pytest.mark.parametrize("args, names", [
+    (["generate", "x", "--seed", "-1"], "--seed"),
+    (["generate", "x", "--max-new-tokens", "10000000000"], "--max-new-tokens"),
+    (["generate", "x", "--top-p", "2"], "--top-p"),
+    (["generate", "x", "--drafter", "big"], "--drafter"),
+    (["generate", "x", "--tls-ca", "/nonexistent/ca.pem"], "/nonexistent/ca.pem"),
+    (["up", "--target", "/nonexistent", "--draft", "/nonexistent"], "/nonexistent"),
+    (["up", "--verifiers", "0"], "--verifiers"),
+    (["verifier", "--model", "./no/such/model"], "./no/such/model"),
+    (["generate", "x", "--no-such-option"], "--no-such-option"),
+])
+def test_bad_values_are_one_line_and_exit_code_2(args, names):
+    result = subprocess.run([*SPECMESH, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr and "repo id" not in result.stderr
+    assert names in lines[0] and lines[0].startswith("error: "), lines[0]
+
+
+def test_a_missing_model_path_is_named_as_such():
+    result = subprocess.run([*SPECMESH, "up", "--target", "/nonexistent", "--draft",
+                             "/nonexistent"], capture_output=True, text=True, timeout=120)
+    assert "no model directory at /nonexistent" in result.stderr
+
+
+def _options():
+    for name, command in typer.main.get_command(app).commands.items():
+        for param in command.params:
+            if param.param_type_name == "option":
+                yield name, param
+
+
+def test_every_option_has_help_and_no_double_negatives():
+    missing = [f"{name} {param.opts[0]}" for name, param in _options()
+               if not (param.help or "").strip()]
+    assert not missing, f"options without help: {missing}"
+    doubled = [f"{name} {opt}" for name, param in _options()
+               for opt in (*param.opts, *param.secondary_opts) if opt.startswith("--no-no-")]
+    assert not doubled, doubled
+
+
+def test_generate_help_shows_each_flag_once():
+    out = subprocess.run([*SPECMESH, "generate", "--help"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "--no-speculation" in out and "--no-no-speculation" not in out
+    assert "--no-keep-session" not in out
+
+
+def test_python_m_bench_prompts_help_prints_help_and_writes_nothing():
+    before = (PROMPTS_PATH.read_bytes(), PROMPTS_PATH.stat().st_mtime_ns)
+    result = subprocess.run([sys.executable, "-m", "specmesh.bench_prompts", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout and "--out" in result.stdout
+    assert "wrote" not in result.stdout
+    assert (PROMPTS_PATH.read_bytes(), PROMPTS_PATH.stat().st_mtime_ns) == before
+
+
+def test_python_m_bench_prompts_writes_where_told(tmp_path):
+    out = tmp_path / "prompts.json"
+    result = subprocess.run([sys.executable, "-m", "specmesh.bench_prompts", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert '"prompts"' in out.read_text()
+
+
+def test_summary_line_of_a_target_only_request():
+    usage = gateway_pb2.Usage(prompt_tokens=3, completion_tokens=1, rounds=1)
+    line = summary(usage, 0.5, "length", "s1", speculation=False)
+    assert line.startswith("[1 token, 1 round, target only,"), line
+    assert "acceptance" not in line and "rounds" not in line
+
+
+def test_summary_line_of_a_speculative_request():
+    usage = gateway_pb2.Usage(completion_tokens=24, rounds=8, draft_tokens=24,
+                              accepted_draft_tokens=18)
+    line = summary(usage, 2.0, "eos", "s2", speculation=True)
+    assert line == ("[24 tokens, 8 rounds, acceptance 75% of 24 draft tokens, 12.0 tokens/s, "
+                    "finish eos, session s2]")
+
+
+def test_generate_target_only_end_to_end(mesh):
+    result = subprocess.run([*SPECMESH, "generate", "def f(x):", "--addr", mesh.gateway_address,
+                             "--max-new-tokens", "1", "--no-speculation"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("[1 token, 1 round, target only,"), line
+
+
+GARBAGE = b"\x0a\xff\xff"  # field 1, length-delimited, with a truncated length
+
+
+def _service_methods(mesh):
+    return [(mesh.gateway_address, "/specmesh.v1.Gateway/Generate", False),
+            (mesh.gateway_address, "/specmesh.v1.Gateway/GenerateStream", True),
+            (mesh.gateway_address, "/specmesh.v1.Gateway/CloseSession", False),
+            (mesh.drafter_addresses[0], "/specmesh.v1.Drafter/Draft", False),
+            (mesh.drafter_addresses[0], "/specmesh.v1.Drafter/GetModelInfo", False),
+            (mesh.verifier_addresses[0], "/specmesh.v1.Verifier/Verify", False),
+            (mesh.verifier_addresses[0], "/specmesh.v1.Verifier/Release", False)]
+
+
+def test_unparseable_bytes_get_invalid_argument_on_every_service(mesh):
+    def identity(data: bytes) -> bytes:
+        return data
+
+    for address, method, streaming in _service_methods(mesh):
+        with grpc.insecure_channel(address) as channel:
+            if streaming:
+                call = channel.unary_stream(method, request_serializer=identity,
+                                            response_deserializer=identity)
+                with pytest.raises(grpc.RpcError) as err:
+                    list(call(GARBAGE, timeout=30))
+            else:
+                call = channel.unary_unary(method, request_serializer=identity,
+                                           response_deserializer=identity)
+                with pytest.raises(grpc.RpcError) as err:
+                    call(GARBAGE, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.value)
+        assert "not a valid specmesh.v1." in err.value.details(), err.value.details()
+        assert "DecodeError" not in err.value.details()
+
+
+def test_services_still_serve_after_garbage(mesh):
+    from specmesh.client import GatewayClient, build_request
+
+    with GatewayClient(mesh.gateway_address) as client:
+        reply = client.generate(build_request("import os", max_new_tokens=2))
+    assert reply.usage.completion_tokens >= 1

@@ -1,0 +1,76 @@
+"""`specmesh up` as a supervisor (issue #12 item 3): SIGINT or SIGTERM while the mesh is still
+starting stops every process already started (none is left running under PID 1) and removes
+the temporary folder `up` made."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from services.local_mesh import free_port
+from services.tiny_models import build_tiny_pair
+
+SPECMESH = [sys.executable, "-m", "specmesh.cli"]
+
+
+def _wait_for_children(up: subprocess.Popen, names: tuple[str, ...], timeout: float) -> list:
+    """The children of ``up`` once one runs each of ``names`` (on its command line)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert up.poll() is None, up.stderr.read()
+        children = psutil.Process(up.pid).children(recursive=True)
+        lines = [" ".join(c.cmdline()) for c in children if c.is_running()]
+        if all(any(name in line for line in lines) for name in names):
+            return children
+        time.sleep(0.05)
+    raise AssertionError(f"{names} never all started")
+
+
+def _alive(children) -> list:
+    alive = []
+    for child in children:
+        try:
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, draft = build_tiny_pair(tmp_path_factory.mktemp("models") / "tiny")
+    return str(target), str(draft)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_start_up_stops_everything_started(tmp_path, pair, sig):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    up = subprocess.Popen([*SPECMESH, "up", "--target", pair[0], "--draft", pair[1],
+                           "--port", str(free_port())],
+                          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        children = _wait_for_children(up, ("redis-server", " verifier ", " drafter "), 120)
+        assert list(temp.glob("specmesh-*")), "no temporary folder while starting"
+        up.send_signal(sig)
+        code = up.wait(60)
+        err = up.stderr.read()
+        assert "SpecMesh is up" not in err, "the signal came too late to test the start-up"
+        assert code == 128 + sig, err
+        assert "during start-up" in err, err
+        time.sleep(0.2)
+        assert not _alive(children), [c.cmdline() for c in _alive(children)]
+        assert not list(temp.glob("specmesh-*")), "temporary folder left behind"
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for child in _alive(locals().get("children", [])):
+            child.kill()
