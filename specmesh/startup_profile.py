@@ -1,0 +1,96 @@
+"""Where a drafter's or verifier's start-up time goes (docs/performance.md, "Start-up time").
+
+    python -m specmesh.startup_profile --role drafter --model models/demo-drafter
+
+1. **Time to SERVING**: the real command (`specmesh drafter|verifier --model M`) is started
+   ``--runs`` times, one after the other; each run is timed from the spawn to the first
+   grpc.health.v1 answer SERVING, polled every 20 ms (faster than any launcher, so the figure
+   is the replica's own time).
+2. **Phases**: a fresh interpreter runs the replica's start-up steps in their order, each
+   timed: the interpreter itself, ``import torch``, the service's own modules (gRPC,
+   OpenTelemetry, protobuf, Redis), transformers with the model's class, then
+   ``load_for_serving`` (weights, tokenizer, fingerprint, warm-up forward). What the time to
+   SERVING has beyond their sum is the engine, the gRPC server's start and the process spawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+_PHASES = r"""
+import json, sys, time
+t = [time.perf_counter()]
+import torch
+t.append(time.perf_counter())
+import importlib
+importlib.import_module(sys.argv[2] + "_svc.server")
+t.append(time.perf_counter())
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(sys.argv[1]))]
+t.append(time.perf_counter())
+from services.models import load_for_serving
+load_for_serving(sys.argv[1], "cpu", "float32", int(sys.argv[3]))
+t.append(time.perf_counter())
+names = ["import torch", "service modules (gRPC, OpenTelemetry, protobuf, Redis)",
+         "transformers + the model class", "load_for_serving (weights, tokenizer, "
+         "fingerprint, warm-up)"]
+print(json.dumps({n: t[i + 1] - t[i] for i, n in enumerate(names)}))
+"""
+
+
+def time_to_serving(role: str, model: str, threads: int, timeout: float = 300.0) -> float:
+    from services.health import is_serving
+    from services.local_mesh import free_port
+
+    port = free_port()
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "specmesh.cli", role, "--host", "127.0.0.1",
+                             "--port", str(port), "--model", model, "--threads", str(threads)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not is_serving(f"127.0.0.1:{port}", timeout=0.5):
+            if proc.poll() is not None or time.monotonic() - start > timeout:
+                raise RuntimeError(f"{role} --model {model} did not become SERVING")
+            time.sleep(0.02)
+        return time.monotonic() - start
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def phases(role: str, model: str, threads: int) -> dict[str, float]:
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    interpreter = time.monotonic() - start
+    out = subprocess.run([sys.executable, "-c", _PHASES, model, role, str(threads)],
+                         check=True, capture_output=True, text=True).stdout
+    return {"interpreter start": interpreter, **json.loads(out.strip().splitlines()[-1])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m specmesh.startup_profile",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=("drafter", "verifier"), required=True)
+    parser.add_argument("--model", required=True, help="The model directory to serve.")
+    parser.add_argument("--threads", type=int, default=1, help="--threads of the replica.")
+    parser.add_argument("--runs", type=int, default=3, help="Timed starts (median shown).")
+    args = parser.parse_args(argv)
+    runs = [time_to_serving(args.role, args.model, args.threads) for _ in range(args.runs)]
+    steps = phases(args.role, args.model, args.threads)
+    total = statistics.median(runs)
+    print(f"{args.role} {args.model}: SERVING after {total:.2f} s (median of "
+          f"{', '.join(f'{r:.2f}' for r in runs)})")
+    for name, seconds in steps.items():
+        print(f"  {seconds:6.2f} s  {name}")
+    print(f"  {total - sum(steps.values()):6.2f} s  the rest: engine, gRPC server start, "
+          "spawn (time to SERVING minus the phases)")
+
+
+if __name__ == "__main__":
+    main()
