@@ -1,0 +1,274 @@
+"""The gateway's OpenAI-compatible HTTP API through the official `openai` client, against a
+real mesh of the demo pair (models/: it has no chat template, so chat uses the default):
+greedy output equals HF generate, streams add up, logprobs equal HF log_softmax, chat,
+sessions, and the 400/404 errors. Keys, TLS, 401/403/429/503: test_openai_security.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.local_mesh import MeshSpec, free_port, start_mesh
+from specmesh.client import GatewayClient
+from specmesh.v1 import gateway_pb2
+from tests.conftest import hf_greedy
+
+DEMO = Path(__file__).resolve().parent.parent / "models"
+# float32 rounding: the verifier computes a sequence's logits in other chunks (prefill, k+1
+# positions per round) than one full forward; on the demo target HF's own full forward and
+# token-by-token cached forward differ by up to 6e-3 in log-probability.
+TOL = 1e-2
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser:\n    def __init__(self",
+           "    for key, value in", "# Copyright"]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    """The demo pair when it is there (it is in the repository), else the tiny pair."""
+    if (DEMO / "demo-target" / "model.safetensors").exists():
+        return str(DEMO / "demo-target"), str(DEMO / "demo-drafter")
+    return tiny_pair
+
+
+@pytest.fixture(scope="module")
+def http_mesh(pair, redis_url, tmp_path_factory):
+    port = free_port()
+    mesh = start_mesh(MeshSpec(target=pair[0], draft=pair[1], port=free_port(),
+                               redis_url=redis_url, log_dir=tmp_path_factory.mktemp("http"),
+                               extra_gateway_args=("--http-port", str(port),
+                                                   "--max-new-tokens-cap", "512")))
+    yield mesh, f"http://127.0.0.1:{port}"
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def client(http_mesh):
+    return openai.OpenAI(base_url=http_mesh[1] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(pair[0])
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(pair[0])
+
+
+def hf_logprobs(model, ids: list[int], start: int):
+    """log_softmax of the target's logits at every position from ``start`` on: row i is
+    the distribution of token ids[start + i]."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, start - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_models_lists_the_target(client, pair):
+    assert [m.id for m in client.models.list().data] == [Path(pair[0]).name]
+
+
+def test_greedy_completion_equals_hf_generate(client, target, pair):
+    model, tokenizer = target
+    for prompt in PROMPTS:
+        r = client.completions.create(model=Path(pair[0]).name, prompt=prompt, max_tokens=24,
+                                      temperature=0)
+        ids = tokenizer(prompt)["input_ids"]
+        expected = hf_greedy(model, ids, 24)
+        assert r.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True), prompt
+        eos = expected[-1] == tokenizer.eos_token_id
+        assert r.choices[0].finish_reason == ("stop" if eos else "length")
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(expected))
+        assert r.usage.total_tokens == len(ids) + len(expected)
+        spec = r.usage.speculation
+        assert 0 <= spec["accepted_draft_tokens"] <= spec["draft_tokens"]
+        assert spec["rounds"] <= len(expected)
+    # The prompt as token ids, speculation off (an extension): the same text, no drafts.
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    r = client.completions.create(model=pair[0], prompt=ids, max_tokens=24, temperature=0,
+                                  extra_body={"speculation": {"disable": True}})
+    assert r.choices[0].text == tokenizer.decode(hf_greedy(model, ids, 24),
+                                                 skip_special_tokens=True)
+    assert r.usage.speculation["draft_tokens"] == 0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_deltas_join_to_the_whole_text(client, pair, chat):
+    name = Path(pair[0]).name
+    args = dict(model=name, max_tokens=40, temperature=0)
+    if chat:
+        args["messages"] = [{"role": "user", "content": "Write a parser."}]
+        create = client.chat.completions.create
+        whole = create(**args)
+        text = whole.choices[0].message.content
+    else:
+        args["prompt"] = PROMPTS[2]
+        create = client.completions.create
+        whole = create(**args)
+        text = whole.choices[0].text
+    chunks = list(create(**args, stream=True, stream_options={"include_usage": True}))
+    *deltas, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in deltas)
+    pieces = [(c.choices[0].delta.content or "") if chat else c.choices[0].text for c in deltas]
+    assert "".join(pieces) == text and len(deltas) > 1
+    assert [c.choices[0].finish_reason for c in deltas] == [None] * (len(deltas) - 1) + [
+        whole.choices[0].finish_reason]
+    if chat:
+        assert deltas[0].choices[0].delta.role == "assistant"
+    # Without include_usage the stream carries no usage at all.
+    plain = list(create(**args, stream=True))
+    assert all(getattr(c, "usage", None) is None for c in plain)
+    assert "".join((c.choices[0].delta.content or "") if chat else c.choices[0].text
+                   for c in plain) == text
+
+
+def test_completion_logprobs_equal_hf_log_softmax(client, target, pair):
+    """Greedy: the sequence is HF's, so its logprobs are log_softmax of HF's logits on it;
+    the same with speculation off (one distribution for both)."""
+    model, tokenizer = target
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    expected = hf_greedy(model, ids, 20)
+    ref = hf_logprobs(model, ids + expected, len(ids))
+    for disable in (False, True):
+        r = client.completions.create(model=pair[0], prompt=PROMPTS[1], max_tokens=20,
+                                      temperature=0, logprobs=3,
+                                      extra_body={"speculation": {"disable": disable}})
+        lp = r.choices[0].logprobs
+        assert len(lp.token_logprobs) == len(expected)
+        for i, token in enumerate(expected):
+            assert lp.token_logprobs[i] == pytest.approx(float(ref[i, token]), abs=TOL)
+            assert lp.tokens[i] == tokenizer.decode([token])
+            # Top 3 by decoded text (two ids may decode alike: then fewer keys).
+            top = {tokenizer.decode([int(t)]) for t in ref[i].topk(3).indices}
+            assert set(lp.top_logprobs[i]) == top
+
+
+def test_chat_on_the_default_template_equals_hf_and_carries_logprobs(client, target, pair):
+    """The demo pair has no chat template: the documented default renders the messages."""
+    model, tokenizer = target
+    assert not tokenizer.chat_template
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": [{"type": "text", "text": "Sort a list"}]}]
+    r = client.chat.completions.create(model=pair[0], messages=messages, max_tokens=16,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    ids = tokenizer("System: You write Python.\nUser: Sort a list\nAssistant:")["input_ids"]
+    expected = hf_greedy(model, ids, 16)
+    assert r.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids)
+    ref = hf_logprobs(model, ids + expected, len(ids))
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(
+        [float(ref[i, t]) for i, t in enumerate(expected)], abs=TOL)
+    assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_chat_session_keeps_the_conversation(client, target, pair):
+    """A kept session (extension): the second turn sends only its new messages and
+    continues the session's tokens (KV caches kept): output = HF greedy on all of it."""
+    model, tokenizer = target
+    first = client.chat.completions.create(
+        model=pair[0], messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=8,
+        temperature=0, extra_body={"keep_session": True})
+    sid = first.model_extra["session_id"]
+    ids = tokenizer("User: def add(a, b):\nAssistant:")["input_ids"]
+    reply = hf_greedy(model, ids, 8)
+    second = client.chat.completions.create(
+        model=pair[0], messages=[{"role": "user", "content": "Now subtract."}], max_tokens=8,
+        temperature=0, extra_body={"session_id": sid})
+    turn = tokenizer("\nUser: Now subtract.\nAssistant:", add_special_tokens=False)["input_ids"]
+    expected = hf_greedy(model, ids + reply + turn, 8)
+    assert second.choices[0].message.content == tokenizer.decode(expected,
+                                                                  skip_special_tokens=True)
+    assert second.usage.prompt_tokens == len(turn)
+    req = urllib.request.Request(f"{client.base_url}sessions/{sid}", method="DELETE")
+    with urllib.request.urlopen(req) as resp:
+        body = json.load(resp)
+    assert body["deleted"] and body["committed_tokens"] == len(ids + reply + turn) + len(
+        expected)
+
+
+def test_grpc_logprobs_are_the_raw_distribution_whatever_the_sampling(http_mesh, target):
+    """Sampling at temperature 0.7 / top_k 5: the logprobs are still log_softmax of the
+    raw logits (not the warped distribution) on the sampled sequence."""
+    model, tokenizer = target
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    request = gateway_pb2.GenerateRequest(
+        prompt=PROMPTS[0], logprobs=True, top_logprobs=1,
+        sampling=gateway_pb2.SamplingParams(temperature=0.7, top_k=5, seed=11,
+                                            max_new_tokens=16))
+    with GatewayClient(http_mesh[0].gateway_address) as grpc_client:
+        reply = grpc_client.generate(request)
+    tokens = list(reply.token_ids)
+    assert [t.token_id for t in reply.logprobs] == tokens
+    ref = hf_logprobs(model, ids + tokens, len(ids))
+    for i, t in enumerate(reply.logprobs):
+        assert t.logprob == pytest.approx(float(ref[i, t.token_id]), abs=TOL)
+        assert t.top_logprobs[0].token_id == int(ref[i].argmax())
+    assert not any(math.isinf(t.logprob) for t in reply.logprobs)
+
+
+def _error(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as err:
+        call()
+    return err.value
+
+
+@pytest.mark.parametrize("kwargs, status, param, message", [
+    ({"temperature": 2.5}, 400, "temperature", "temperature must be in [0, 2] (0 = greedy), "
+                                               "got 2.5"),
+    ({"top_p": 0}, 400, "top_p", "top_p must be in (0, 1], got 0"),
+    ({"max_tokens": 0}, 400, "max_tokens", "max_tokens must be in 1..512, got 0"),
+    ({"max_tokens": 513}, 400, "max_tokens", "max_tokens must be in 1..512, got 513"),
+    ({"n": 2}, 400, "n", "n must be 1 (one choice per request), got 2"),
+    ({"logprobs": 21}, 400, "logprobs", "logprobs must be in 0..20, got 21"),
+    ({"stop": [""]}, 400, "stop", "stop strings must be 1..256 characters"),
+    ({"prompt": ["a", "b"]}, 400, "prompt", "prompt holds 2 prompts: send one prompt per "
+                                            "request"),
+    ({"extra_body": {"top_k": -2}}, 400, "top_k", "top_k must be >= 0 (0 or -1 = off), got -2"),
+    ({"presence_penalty": 1.0}, 400, "presence_penalty", "presence_penalty is not supported"),
+    ({"model": "gpt-4"}, 404, "model", "the model 'gpt-4' does not exist"),
+    ({"extra_body": {"session_id": "no-such-session"}}, 404, None, "no-such-session"),
+])
+def test_completion_errors_have_openai_shape_status_and_message(client, pair, kwargs, status,
+                                                                param, message):
+    args = {"model": Path(pair[0]).name, "prompt": "x", "max_tokens": 2, **kwargs}
+    err = _error(lambda: client.completions.create(**args))
+    assert err.status_code == status
+    assert message in err.body["message"] and err.body["param"] == param
+    assert set(err.body) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("kwargs, param, message", [
+    ({"messages": []}, "messages", "messages must be a non-empty list"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role",
+     "messages[0].role must be one of system, developer, user, assistant, got 'robot'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type", "messages[0].content[0].type must be \"text\""),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "messages[0].content is required"),
+    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ({"max_completion_tokens": "many"}, "max_completion_tokens", "max_completion_tokens: "),
+])
+def test_chat_errors_name_the_field(client, pair, kwargs, param, message):
+    args = {"model": pair[0], "messages": [{"role": "user", "content": "hi"}], **kwargs}
+    err = _error(lambda: client.chat.completions.create(**args))
+    assert err.status_code == 400 and err.body["type"] == "invalid_request_error"
+    assert message in err.body["message"] and err.body["param"] == param
+
+
+def test_health_readiness_and_unknown_routes(http_mesh):
+    base = http_mesh[1]
+    for path, body in (("/health", {"status": "ok"}), ("/ready", {"status": "serving"})):
+        with urllib.request.urlopen(base + path) as resp:
+            assert (resp.status, json.load(resp)) == (200, body)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(base + "/v1/embeddings")
+    assert err.value.code == 404 and json.load(err.value)["error"]["code"] == "not_found"
