@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from specmesh import loadtest
+from specmesh.extras import needs_extra
 from specmesh.model_ref import model_reference
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -292,11 +293,11 @@ app.command("api-key")(security_cli.api_key)
 app.command("certs")(security_cli.certs)
 
 
-app.command("load")(loadtest.load)
+app.command("load")(needs_extra("bench", ("psutil",), loadtest.load))
 
 from specmesh import bench  # noqa: E402 - `specmesh bench`, in its own module like load
 
-app.command("bench")(bench.bench)
+app.command("bench")(needs_extra("bench", ("matplotlib",), bench.bench))
 
 
 # click's UsageError (BadParameter, NoSuchOption, MissingParameter, ...), whether typer
