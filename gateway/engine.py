@@ -355,33 +355,65 @@ class GenerationEngine:
             yield chunk
             if chunk.finish is not None:
                 return
-        while finish is None:
-            if len(h.tokens) >= self.limits.max_context:
-                finish = Finish.CONTEXT
-                self.telemetry.record_finish(span, req, finish)
-                yield Chunk(text=stop.flush(), token_ids=[], session_id=h.session_id,
-                            finish=finish, usage=req.usage, offset=len(h.tokens))
-                break
-            start = time.perf_counter()
-            self._learn_cycle(req, kind, start)
-            k = self._choose_k(req, kind)
-            round_span = self.telemetry.round_span(span, req, k)
-            with trace.use_span(round_span, end_on_exit=True):
-                r = await self.rounds.run(h, spec.params, k, kind, req.seed, req.usage.rounds,
-                                          req.deadline, req.prefetch,
-                                          self._acceptance(kind).alpha(0.7), spec.logprobs)
-                req.prefetch = r.prefetch
-                self._learn(req, kind, r)
-                req.last_round = (start, r)
-                kept, text, finish = self._accept(req, r.proposed, detok, stop)
-                self._commit_counts(req, r, kept, finish)
-                await self._save(req, len(kept), final=finish is not None)
-                self.telemetry.record_round(round_span, req, r, len(kept), time.perf_counter() - start)
-            if finish is not None:
-                self.telemetry.record_finish(span, req, finish)
-            yield Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
-                        usage=req.usage if finish else None, offset=len(h.tokens) - len(kept),
-                        logprobs=r.logprobs[:len(kept)])
+        # Round r+1 runs while round r's tokens are saved; r's chunk goes out once they are.
+        running: asyncio.Future | None = None
+        saving: asyncio.Future | None = None
+        held: Chunk | None = None
+        try:
+            while True:
+                if finish is None and len(h.tokens) < self.limits.max_context:
+                    running = asyncio.ensure_future(self._round(req, kind, span))
+                if saving is not None:
+                    await saving
+                    saving = None
+                    yield held
+                if finish is not None:
+                    return
+                if running is None:  # the context is full
+                    finish = Finish.CONTEXT
+                    self.telemetry.record_finish(span, req, finish)
+                    yield Chunk(text=stop.flush(), token_ids=[], session_id=h.session_id,
+                                finish=finish, usage=req.usage, offset=len(h.tokens))
+                    return
+                r, start, round_span = await running
+                running = None
+                with trace.use_span(round_span, end_on_exit=True):
+                    req.prefetch = r.prefetch
+                    self._learn(req, kind, r)
+                    req.last_round = (start, r)
+                    kept, text, finish = self._accept(req, r.proposed, detok, stop)
+                    self._commit_counts(req, r, kept, finish)
+                    self.telemetry.record_round(round_span, req, r, len(kept),
+                                                time.perf_counter() - start)
+                if finish is not None:
+                    self.telemetry.record_finish(span, req, finish)
+                held = Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
+                             usage=req.usage if finish else None,
+                             offset=len(h.tokens) - len(kept), logprobs=r.logprobs[:len(kept)])
+                saving = asyncio.ensure_future(self._save(req, len(kept),
+                                                          final=finish is not None))
+        finally:
+            for task in (running, saving):
+                if task is not None and not task.done():
+                    task.cancel()
+
+    async def _round(self, req: _Request, kind: str,
+                     span: trace.Span) -> tuple[RoundResult, float, trace.Span]:
+        """Chooses k and runs the request's next round under its own span (ended by the
+        caller once the round is accounted for)."""
+        start = time.perf_counter()
+        self._learn_cycle(req, kind, start)
+        k = self._choose_k(req, kind)
+        round_span = self.telemetry.round_span(span, req, k)
+        try:
+            with trace.use_span(round_span):
+                r = await self.rounds.run(req.handle, req.spec.params, k, kind, req.seed,
+                                          req.usage.rounds, req.deadline, req.prefetch,
+                                          self._acceptance(kind).alpha(0.7), req.spec.logprobs)
+        except BaseException:
+            round_span.end()
+            raise
+        return r, start, round_span
 
     async def _save(self, req: _Request, added: int, final: bool) -> None:
         """Commits the round's ``added`` tokens and any an earlier round left pending. While
