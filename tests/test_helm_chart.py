@@ -411,7 +411,7 @@ def test_otel_env_and_service_monitor():
     assert sm["metadata"]["labels"]["release"] == "prom"
     for tier in TIERS:
         ports = [p["name"] for p in by_component(docs, "Service")[tier]["spec"]["ports"]]
-        assert ports == ["grpc", "metrics"]
+        assert ports == (["grpc", "http", "metrics"] if tier == "gateway" else ["grpc", "metrics"])
 
 
 # -- one source of truth for the environment ---------------------------------------------------

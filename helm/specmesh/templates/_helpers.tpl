@@ -163,6 +163,8 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.maxInflight | quote }}
 - name: SPECMESH_SESSION_TTL_S
   value: {{ $c.sessionTtlS | quote }}
+- name: SPECMESH_HTTP_PORT
+  value: {{ $c.httpPort | quote }}
 - name: SPECMESH_RPC_TIMEOUT_S
   value: {{ $c.rpcTimeoutS | quote }}
 {{- else }}
@@ -303,6 +305,11 @@ spec:
             - name: grpc
               containerPort: {{ $v.service.port }}
               protocol: TCP
+            {{- if and (eq $tier "gateway") $v.config.httpPort }}
+            - name: http
+              containerPort: {{ $v.config.httpPort }}
+              protocol: TCP
+            {{- end }}
             - name: metrics
               containerPort: {{ $root.Values.serviceMonitor.port }}
               protocol: TCP
@@ -431,6 +438,13 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: grpc
+    {{- if and (eq $tier "gateway") $v.config.httpPort }}
+    - name: http
+      port: {{ $v.config.httpPort }}
+      targetPort: http
+      protocol: TCP
+      appProtocol: {{ ternary "https" "http" (ne $root.Values.security.tls.secretName "") }}
+    {{- end }}
     {{- if $root.Values.serviceMonitor.enabled }}
     - name: metrics
       port: {{ $root.Values.serviceMonitor.port }}
@@ -532,6 +546,10 @@ spec:
     - ports:
         - port: {{ $v.service.port }}
           protocol: TCP
+        {{- if and (eq $tier "gateway") $v.config.httpPort }}
+        - port: {{ $v.config.httpPort }}
+          protocol: TCP
+        {{- end }}
       {{- if eq $tier "gateway" }}
       {{- with $root.Values.networkPolicy.gatewayFrom }}
       from:
