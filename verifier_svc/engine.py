@@ -13,7 +13,13 @@ import torch
 from services.batching import Row, StepJob
 from services.errors import InvalidArgument
 from services.kv_cache import SessionCache
-from services.messages import MAX_TOP_LOGPROBS, TokenLogprobs, VerifyCall, VerifyResult
+from services.messages import (
+    MAX_TOP_LOGPROBS,
+    TokenLogprobs,
+    VerifyCall,
+    VerifyResult,
+    check_token_ids,
+)
 from services.model_runner import ModelEngine, check_delta
 from services.sampling import (
     SparseDraft,
@@ -31,9 +37,10 @@ class VerifierEngine(ModelEngine):
         if k > self.max_draft_tokens:
             raise InvalidArgument(
                 f"{k} draft tokens exceed this verifier's limit of {self.max_draft_tokens}")
-        if call.params.greedy:
-            q_ids = torch.tensor([[t] for t in call.draft_ids], dtype=torch.long).reshape(k, 1)
-            q_probs = torch.ones(k, 1)
+        if call.params.greedy:  # only the tokens matter: a plain range check suffices
+            check_token_ids(call.draft_ids, self.runner.meta.vocab_size, "draft_token_ids")
+            ids = torch.tensor(call.draft_ids, dtype=torch.long)  # [k]
+            return SparseDraft(token_ids=ids, q_ids=ids[:, None], q_probs=torch.ones(k, 1))
         else:
             if len(call.q_ids) != k or len(call.q_probs) != k:
                 raise InvalidArgument(
