@@ -341,9 +341,9 @@ def render_chaos(report: dict, console) -> None:
     console.print(f"requests {report['requests']}: completed {report['completed']}, lost "
                   f"{report['lost']}; outputs equal to the intact mesh's "
                   f"{report['outputs_equal']}, different {report['outputs_differ']}")
-    console.print(f"resumes {report['resumes']} ({report['requests_resumed']} requests), "
-                  f"retries {report['retries']} ({report['requests_retried']} requests); "
-                  f"errors retried: {transient}")
+    console.print(f"resume attempts {report['resumes']} ({report['requests_resumed']} requests "
+                  f"resumed), retries from the start {report['retries']} "
+                  f"({report['requests_retried']} requests); errors met: {transient}")
     lat = report["latency_ms"]
     console.print(f"tokens {report['tokens_total']}, {report['tokens_per_s']:.1f} tokens/s"
                   + (f"; latency ms p50 {lat['p50']:.0f} p90 {lat['p90']:.0f} "
