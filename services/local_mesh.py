@@ -205,16 +205,20 @@ def _health_address(spec: MeshSpec, tls_args: list[str]) -> str:
 
 
 def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: None,
-               cancel: threading.Event | None = None) -> Mesh:
+               cancel: threading.Event | None = None, into: list[Mesh] | None = None) -> Mesh:
     """Starts the mesh; ``progress`` gets one line per process once it is SERVING. Setting
     ``cancel`` (from a signal handler) makes it stop what it started and raise
-    StartCancelled; any failure also stops everything (and removes its temporary folder)."""
+    StartCancelled; any failure also stops everything (and removes its temporary folder).
+    ``into`` gets the Mesh before its first process starts, so that an exception raised by a
+    signal handler anywhere cannot lose it."""
     temp_dir = None if spec.log_dir else Path(tempfile.mkdtemp(prefix="specmesh-"))
     log_dir = spec.log_dir or temp_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     mesh = Mesh(gateway_address=f"{spec.host}:{spec.port}", redis_url=spec.redis_url, procs=procs,
                 temp_dir=temp_dir)
+    if into is not None:
+        into.append(mesh)
     metrics = spec.metrics_ports()
     try:
         if not spec.redis_url:

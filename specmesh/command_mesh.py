@@ -1,8 +1,11 @@
 """The local mesh of a client command (`specmesh bench`, `specmesh load`): started on demand,
-stopped when the command ends however it ends, and Ctrl-C exits 130."""
+stopped when the command ends however it ends. Ctrl-C, and SIGTERM alike, inside the block
+print "interrupted", stop every process already started (and the mesh's temporary folder) and
+exit 130."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -11,26 +14,37 @@ import typer
 from services.local_mesh import Mesh, MeshSpec, start_mesh
 
 
+def _sigterm_as_ctrl_c(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 @contextmanager
 def command_mesh(err) -> Iterator[Callable[[MeshSpec], Mesh]]:
     """Yields ``start(spec)``, which starts a local mesh and prints where its logs are (on
-    ``err``, a rich Console); every mesh started is stopped when the block ends. Ctrl-C inside
-    the block prints "interrupted" and exits 130."""
+    ``err``, a rich Console); every mesh started is stopped when the block ends. Ctrl-C or
+    SIGTERM inside the block prints "interrupted" and exits 130."""
     meshes: list[Mesh] = []
 
     def start(spec: MeshSpec) -> Mesh:
         with err.status("starting a local mesh"):
-            mesh = start_mesh(spec)
-        meshes.append(mesh)
-        err.print(f"local mesh at {mesh.gateway_address} "
-                  f"(logs: {mesh.procs[0].log_path.parent})")
+            mesh = start_mesh(spec, into=meshes)
+        logs = spec.log_dir or "a temporary folder, removed on exit"
+        err.print(f"local mesh at {mesh.gateway_address} (logs: {logs})")
         return mesh
 
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
     try:
         yield start
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130) from None
     finally:
-        for mesh in meshes:
-            mesh.stop()
+        # A second Ctrl-C or SIGTERM must not cut the clean-up short.
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            for mesh in meshes:
+                mesh.stop()
+        finally:
+            signal.signal(signal.SIGINT, interrupt)
+            signal.signal(signal.SIGTERM, previous)

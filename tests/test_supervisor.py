@@ -74,3 +74,44 @@ def test_a_signal_during_start_up_stops_everything_started(tmp_path, pair, sig):
             up.kill()
         for child in _alive(locals().get("children", [])):
             child.kill()
+
+
+@pytest.mark.parametrize("phase", ["start-up", "running"])
+def test_sigterm_on_load_stops_the_mesh_it_started(tmp_path, phase):
+    """`specmesh load` without --addr starts its own mesh: SIGTERM, while it starts or while
+    the streams run, stops it like Ctrl-C does (exit 130), with nothing left behind."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    load = subprocess.Popen([*SPECMESH, "load", "--streams", "1", "--duration", "120"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=env)
+    children = []
+    try:
+        names = ("redis-server", " verifier ", " drafter ")
+        children = _wait_for_children(load, (*names, " gateway ") if phase == "running"
+                                      else names, 240)
+        if phase == "running":
+            _wait_serving_gateway(children)
+        load.send_signal(signal.SIGTERM)
+        code = load.wait(60)
+        err = load.stderr.read()
+        assert code == 130, err
+        assert "interrupted" in err and "Traceback" not in err, err
+        time.sleep(0.2)
+        assert not _alive(children), [c.cmdline() for c in _alive(children)]
+        assert not list(temp.glob("specmesh-*")), "temporary folder left behind"
+    finally:
+        if load.poll() is None:
+            load.kill()
+        for child in _alive(children):
+            child.kill()
+
+
+def _wait_serving_gateway(children, timeout: float = 120) -> None:
+    from services.health import wait_serving
+
+    gateway = next(c for c in children if " gateway " in " ".join(c.cmdline()))
+    argv = gateway.cmdline()
+    address = f"{argv[argv.index('--host') + 1]}:{argv[argv.index('--port') + 1]}"
+    assert wait_serving(address, timeout)
