@@ -5,7 +5,8 @@
 1. **Time to SERVING**: the real command (`specmesh drafter|verifier --model M`) is started
    ``--runs`` times, one after the other; each run is timed from the spawn to the first
    grpc.health.v1 answer SERVING, polled every 20 ms (faster than any launcher, so the figure
-   is the replica's own time).
+   is the replica's own time), with the CPU seconds the process used until then (on a busy
+   machine the wall time is about this CPU time over the process's share of the cores).
 2. **Phases**: a fresh interpreter runs the replica's start-up steps in their order, each
    timed: the interpreter itself, ``import torch``, the service's own modules (gRPC,
    OpenTelemetry, protobuf, Redis), transformers with the model's class, then
@@ -44,7 +45,11 @@ print(json.dumps({n: t[i + 1] - t[i] for i, n in enumerate(names)}))
 """
 
 
-def time_to_serving(role: str, model: str, threads: int, timeout: float = 300.0) -> float:
+def time_to_serving(role: str, model: str, threads: int,
+                    timeout: float = 300.0) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process) from the spawn to SERVING."""
+    import psutil
+
     from services.health import is_serving
     from services.local_mesh import free_port
 
@@ -58,7 +63,9 @@ def time_to_serving(role: str, model: str, threads: int, timeout: float = 300.0)
             if proc.poll() is not None or time.monotonic() - start > timeout:
                 raise RuntimeError(f"{role} --model {model} did not become SERVING")
             time.sleep(0.02)
-        return time.monotonic() - start
+        wall = time.monotonic() - start
+        cpu = psutil.Process(proc.pid).cpu_times()
+        return wall, cpu.user + cpu.system
     finally:
         proc.terminate()
         proc.wait(30)
@@ -83,9 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     runs = [time_to_serving(args.role, args.model, args.threads) for _ in range(args.runs)]
     steps = phases(args.role, args.model, args.threads)
-    total = statistics.median(runs)
+    total = statistics.median(wall for wall, _ in runs)
     print(f"{args.role} {args.model}: SERVING after {total:.2f} s (median of "
-          f"{', '.join(f'{r:.2f}' for r in runs)})")
+          f"{', '.join(f'{w:.2f}' for w, _ in runs)}; CPU "
+          f"{', '.join(f'{c:.2f}' for _, c in runs)} s)")
     for name, seconds in steps.items():
         print(f"  {seconds:6.2f} s  {name}")
     print(f"  {total - sum(steps.values()):6.2f} s  the rest: engine, gRPC server start, "
