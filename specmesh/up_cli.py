@@ -87,6 +87,10 @@ def up(
         min=1, help="Gateway: the largest max_new_tokens a request may ask for.")] = None,
     max_inflight: Annotated[int | None, typer.Option(
         min=1, help="Gateway: concurrent requests before RESOURCE_EXHAUSTED.")] = None,
+    http_port: Annotated[int, typer.Option(
+        min=0, max=65535, help="Gateway: port of the OpenAI-compatible HTTP API "
+                               "(/v1/completions, /v1/chat/completions; docs/api.md); "
+                               "0 = off.")] = 8000,
 ) -> None:
     """Start the whole mesh locally: Redis, drafters, verifiers and the gateway. SIGINT
     (Ctrl-C) or SIGTERM stops every process it started, at any point."""
@@ -102,7 +106,8 @@ def up(
                            pipeline=pipeline, spec_fanout=spec_fanout,
                            default_drafter_kind=default_drafter_kind,
                            default_max_new_tokens=default_max_new_tokens,
-                           max_new_tokens_cap=max_new_tokens_cap, max_inflight=max_inflight))
+                           max_new_tokens_cap=max_new_tokens_cap, max_inflight=max_inflight,
+                           http_port=http_port or None))
         except Stopped:
             typer.echo(f"stopped by {_signame(signals.signum)} before anything was started",
                        err=True)
@@ -152,7 +157,13 @@ def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, re
         exe = os.path.relpath(Path(sys.executable).parent / "specmesh")
         exe = exe if not exe.startswith("..") else "specmesh"
         logs = f"logs: {log_dir}" if log_dir else "logs: a temporary folder, removed on exit"
+        host = mesh.gateway_address.rpartition(":")[0]
+        http = ""
+        if "--http-port" in gateway_args:
+            http_port = gateway_args[gateway_args.index("--http-port") + 1]
+            http = f"OpenAI-compatible HTTP API: [bold]http://{host}:{http_port}/v1[/]\n"
         console.print(f"SpecMesh is up. Gateway: [bold]{mesh.gateway_address}[/]  ({logs})\n"
+                      f"{http}"
                       f"Try: {exe} generate \"def fib(n):\" --addr {mesh.gateway_address}   — "
                       "Ctrl-C stops everything.")
         code = watch(mesh, signals.event)

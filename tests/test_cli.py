@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -53,11 +54,17 @@ def test_up_generate_and_ctrl_c_leave_nothing_behind(tmp_path):
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "SPECMESH_METRICS_PORT": str(metrics), "TMPDIR": str(tmp_path / "tmp")}
+    http = free_port()
     up = subprocess.Popen([*SPECMESH, "up", "--port", str(port), "--num-draft-tokens", "2",
-                           "--no-pipeline"],
+                           "--no-pipeline", "--http-port", str(http)],
                           stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
         banner = _wait_for_line(up, "SpecMesh is up", 240)
+        # The OpenAI-compatible HTTP API's address, printed beside the gRPC one, answers.
+        assert f"OpenAI-compatible HTTP API: http://127.0.0.1:{http}/v1" in _wait_for_line(
+            up, "OpenAI-compatible HTTP API", 10)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=10) as reply:
+            assert json.load(reply)["data"][0]["object"] == "model"
         for tier in ("redis", "verifier-0", "drafter-0", "gateway"):
             assert tier in banner
         children = psutil.Process(up.pid).children(recursive=True)
