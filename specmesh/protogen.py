@@ -40,6 +40,16 @@ def generate(out_dir: Path) -> list[Path]:
     return sorted(p for p in gen_dir.iterdir() if p.is_file())
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    # argparse, not typer: the Docker build runs this before the project (and typer) is installed.
+    import argparse
+
+    argparse.ArgumentParser(prog="python specmesh/protogen.py",
+                            description="Regenerate the gRPC stubs in specmesh/v1 from "
+                                        "proto/specmesh/v1 (needs grpcio-tools).").parse_args(argv)
     written = generate(ROOT)
     sys.stdout.write("".join(f"wrote {p.relative_to(ROOT)}\n" for p in written))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from specmesh.generate_cli import summary
 from specmesh.v1 import gateway_pb2
 
 SPECMESH = [sys.executable, "-m", "specmesh.cli"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("args, names", [
@@ -77,6 +79,23 @@ def test_python_m_bench_prompts_help_prints_help_and_writes_nothing():
     assert "Usage" in result.stdout and "--out" in result.stdout
     assert "wrote" not in result.stdout
     assert (PROMPTS_PATH.read_bytes(), PROMPTS_PATH.stat().st_mtime_ns) == before
+
+
+HELPERS = [["-m", "specmesh.bench_prompts"], ["specmesh/protogen.py"],
+           ["-m", "services.tiny_models"], ["-m", "training.demo"], ["-m", "training.distill"],
+           ["-m", "training.evaluate"], ["-m", "training.card"]]
+WRITTEN_BY_HELPERS = [PROMPTS_PATH, *sorted((ROOT / "specmesh" / "v1").glob("*.py")),
+                      ROOT / "models" / "README.md"]
+
+
+@pytest.mark.parametrize("helper", HELPERS, ids=lambda h: h[-1])
+def test_helpers_honour_help_and_write_nothing(helper):
+    before = {path: path.stat().st_mtime_ns for path in WRITTEN_BY_HELPERS if path.exists()}
+    result = subprocess.run([sys.executable, *helper, "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "usage" in result.stdout.lower() and "wrote" not in result.stdout
+    assert {path: path.stat().st_mtime_ns for path in before} == before
 
 
 def test_python_m_bench_prompts_writes_where_told(tmp_path):
