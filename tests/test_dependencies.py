@@ -146,8 +146,11 @@ def test_docker_images_install_only_their_tier():
     installs = _dockerfile_installs()
     assert installs["cpu-build"] == ["."]  # the drafter's venv
     assert installs["cuda-build"] == ["."]  # the verifier's venv
-    assert installs["gateway-build"] == [".[kubernetes]"]
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    # The gateway: the base and kubernetes dependencies but torch, then the package without
+    # dependencies (issue #13: no torch in the gateway image).
+    assert installs["gateway-build"] == ["."]
+    assert "get('kubernetes', [])" in dockerfile and "--no-deps -c constraints.txt ." in dockerfile
     assert "COPY --from=gateway-build /opt/venv" in dockerfile
     for extra in ("[test]", "[bench]", "[train]"):
         assert extra not in dockerfile
