@@ -1,6 +1,6 @@
 """Micro-batching: one forward pass for the calls of several sessions.
 
-Each session keeps its own ``DynamicCache`` (batch 1, ``start`` positions). For a pass
+Each session keeps its own KV cache (batch 1, ``start`` positions). For a pass
 over B sessions the caches are left-padded to the longest one and stacked, the new
 tokens are right-padded, and a 2-D attention mask hides both paddings:
 
@@ -31,7 +31,7 @@ import torch
 @dataclass
 class Row:
     tokens: Sequence[int]  # [m] tokens to append
-    kv: Any  # the session's DynamicCache, holding ``start`` positions
+    kv: Any  # the session's KV cache (DynamicCache or SlabCache), ``start`` positions
     start: int
     keep: int  # logits wanted for the last ``keep`` new tokens
 

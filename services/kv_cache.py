@@ -23,7 +23,7 @@ from services.hashing import token_hash
 @dataclass
 class SessionCache:
     tokens: list[int]
-    kv: Any  # transformers DynamicCache; holds exactly len(tokens) positions
+    kv: Any  # a DynamicCache or SlabCache (services/kv_slab.py); holds len(tokens) positions
     last_used: float = field(default_factory=time.monotonic)
 
     def crop(self, length: int) -> None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.kv_slab import SlabCache
+
 
 def unsupported_reason(model) -> str:
     """Why ``model`` cannot use the lean forward ("" when it can)."""
@@ -76,7 +78,8 @@ def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
 
 class LeanLlama(torch.nn.Module):
     """Wraps a loaded ``LlamaForCausalLM``; call it like the HF model with ``input_ids``,
-    ``position_ids``, ``past_key_values`` (a transformers ``Cache``), ``attention_mask``
+    ``position_ids``, ``past_key_values`` (``new_cache()`` or a transformers ``Cache``: only
+    its ``update`` and ``get_seq_length`` are used), ``attention_mask``
     (2-D, 1 = real key, covering past and new positions) and ``logits_to_keep``."""
 
     def __init__(self, model) -> None:
@@ -103,6 +106,10 @@ class LeanLlama(torch.nn.Module):
 
     def get_output_embeddings(self):
         return self.hf.get_output_embeddings()
+
+    def new_cache(self) -> SlabCache:
+        """An empty KV cache for this model, written in place (services/kv_slab.py)."""
+        return SlabCache(self.config.num_hidden_layers)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -132,9 +139,7 @@ class LeanLlama(torch.nn.Module):
                 use_cache: bool = True, logits_to_keep: int = 0, **_ignored) -> LeanOutput:
         B, m = input_ids.shape
         if past_key_values is None:
-            from transformers import DynamicCache
-
-            past_key_values = DynamicCache(config=self.config)
+            past_key_values = self.new_cache()
         past = past_key_values.get_seq_length()
         if position_ids is None:
             position_ids = torch.arange(past, past + m, device=input_ids.device)[None].expand(B, m)

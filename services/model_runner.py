@@ -52,6 +52,11 @@ class ModelRunner:
         return self._pending
 
     def new_kv(self) -> Any:
+        """An empty KV cache: the model's own kind (the lean forward's is written in place),
+        else transformers' DynamicCache."""
+        own = getattr(self.model, "new_cache", None)
+        if own is not None:
+            return own()
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)

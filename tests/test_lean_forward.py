@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from services.batching import Row, forward_one, forward_rows
+from services.kv_slab import SlabCache
 from services.lean_llama import LeanLlama, lean_forward, unsupported_reason
 from services.models import fingerprint
 
@@ -40,9 +41,9 @@ def _ids(model, n: int, seed: int) -> list[int]:
 def test_prefill_then_steps_match_hf(models):
     """A prompt, then 1-token and 4-token steps on a growing cache: same logits as HF."""
     hf, lean = models
-    caches = DynamicCache(config=hf.config), DynamicCache(config=hf.config)
+    caches = DynamicCache(config=hf.config), SlabCache(hf.config.num_hidden_layers, chunk=16)
     start = 0
-    for n, seed in ((37, 0), (1, 1), (4, 2), (1, 3), (5, 4)):
+    for n, seed in ((37, 0), (1, 1), (4, 2), (1, 3), (5, 4), (30, 5)):  # grows past 48
         row_ids = _ids(hf, n, seed)
         ref = forward_one(hf, Row(tokens=row_ids, kv=caches[0], start=start, keep=n), "cpu")
         got = forward_one(lean, Row(tokens=row_ids, kv=caches[1], start=start, keep=n), "cpu")
@@ -50,7 +51,14 @@ def test_prefill_then_steps_match_hf(models):
         torch.testing.assert_close(got, ref, **TOL)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
         start += n
+        if n == 4:  # a verify's rollback: both drop the last 3 positions
+            caches[0].crop(-3)
+            caches[1].crop(-3)
+            start -= 3
     assert caches[1].get_seq_length() == caches[0].get_seq_length() == start
+    for ref_layer, layer in zip(caches[0].layers, caches[1].layers, strict=True):
+        torch.testing.assert_close(layer.keys, ref_layer.keys, **TOL)
+        torch.testing.assert_close(layer.values, ref_layer.values, **TOL)
 
 
 def test_batched_rows_with_padding_match_each_row_alone(models):
@@ -61,14 +69,14 @@ def test_batched_rows_with_padding_match_each_row_alone(models):
     hf_rows, lean_rows = [], []
     for b, (past, new) in enumerate(plan):
         prefix, step = _ids(hf, past, 10 + b), _ids(hf, new, 20 + b)
-        kv_hf, kv_lean = DynamicCache(config=hf.config), DynamicCache(config=hf.config)
+        kv_hf, kv_lean = DynamicCache(config=hf.config), lean.new_cache()
         if past:
             forward_one(hf, Row(tokens=prefix, kv=kv_hf, start=0, keep=1), "cpu")
             forward_one(lean, Row(tokens=prefix, kv=kv_lean, start=0, keep=1), "cpu")
         hf_rows.append(Row(tokens=step, kv=kv_hf, start=past, keep=new))
         lean_rows.append(Row(tokens=step, kv=kv_lean, start=past, keep=new))
     refs = [forward_one(hf, row, "cpu") for row in hf_rows]
-    got = forward_rows(lean, lean_rows, "cpu", lambda: DynamicCache(config=hf.config))
+    got = forward_rows(lean, lean_rows, "cpu", lean.new_cache)
     for (past, new), ref, out, row in zip(plan, refs, got, lean_rows, strict=True):
         torch.testing.assert_close(out, ref, **TOL)
         assert row.kv.get_seq_length() == past + new  # each session's cache got its tokens
@@ -101,3 +109,28 @@ def test_unsupported_models_keep_the_hf_forward(tiny_pair):
     assert lean_forward(model, "hf")[0] is model
     with pytest.raises(ValueError, match="auto or hf"):
         lean_forward(model, "fast")
+
+
+def test_slab_cache_writes_in_place_and_rolls_back_by_length():
+    """Appends land in the same buffer until it is full; crop only moves the length, and
+    the next append overwrites the dropped positions; growth keeps the live positions."""
+    cache = SlabCache(num_layers=1, chunk=4)
+    layer = cache.layers[0]
+    step = [torch.full((1, 2, 1, 3), float(i)) for i in range(9)]  # [B, KV, 1, D]
+    keys, _ = cache.update(step[0], step[0] * 10, 0)
+    buffer = layer._keys.data_ptr()
+    for i in range(1, 4):
+        keys, values = cache.update(step[i], step[i] * 10, 0)
+    assert layer._keys.data_ptr() == buffer and layer.capacity() == 4  # no copy yet
+    assert keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    cache.crop(-2)  # drop the last two, as DynamicCache.crop(-2) would
+    assert cache.get_seq_length() == 2 and layer._keys.data_ptr() == buffer
+    keys, values = cache.update(step[7], step[7] * 10, 0)
+    assert keys[0, 1, :, 2].tolist() == [0.0, 1.0, 7.0]
+    assert values[0, 0, :, 0].tolist() == [0.0, 10.0, 70.0]
+    for i in (4, 5):  # 5 positions: the buffer grows by a chunk, keeping what was live
+        keys, values = cache.update(step[i], step[i], 0)
+    assert layer.capacity() == 8 and layer._keys.data_ptr() != buffer
+    assert keys[0, 0, :, 0].tolist() == [0.0, 1.0, 7.0, 4.0, 5.0]
+    cache.crop(2)  # a non-negative argument is the length to keep
+    assert cache.get_seq_length() == 2 and layer.keys.shape == (1, 2, 2, 3)
