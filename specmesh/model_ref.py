@@ -29,3 +29,27 @@ def model_reference(value: str, option: str) -> str:
         raise typer.BadParameter(f"no model directory at {value} (it does not exist)",
                                  param_hint=f"'{option}'")
     return value
+
+
+def check_loadable(value: str, option: str) -> None:
+    """For a value that is not a local directory: its config must load from the Hugging Face
+    hub (or its cache), else a typer.BadParameter with the hub's one-line reason; checked
+    before anything starts, so that no service fails later with a traceback in its log."""
+    if Path(value).expanduser().is_dir():
+        return
+    import logging
+
+    from transformers import AutoConfig
+
+    quiet = logging.getLogger("huggingface_hub")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # no "Retrying in 1s" lines: the error says it all
+    try:
+        AutoConfig.from_pretrained(value)
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, the hub client's own errors
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise typer.BadParameter(f"{value} is not a local model directory, and loading it from "
+                                 f"the Hugging Face hub failed: {reason}",
+                                 param_hint=f"'{option}'") from exc
+    finally:
+        quiet.setLevel(level)

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from specmesh.model_ref import model_reference
+from specmesh.model_ref import check_loadable, model_reference
 
 
 def _default_pair() -> tuple[str, str]:
@@ -133,6 +133,9 @@ def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, re
         raise typer.BadParameter("give both --target and --draft, or neither")
     if target:
         target, draft = model_reference(target, "--target"), model_reference(draft, "--draft")
+        with console.status("checking the models"):
+            check_loadable(target, "--target")
+            check_loadable(draft, "--draft")
     else:
         with console.status("finding the demo model pair"):
             target, draft = _default_pair()

@@ -48,6 +48,20 @@ def test_a_missing_model_path_is_named_as_such():
     assert "no model directory at /nonexistent" in result.stderr
 
 
+def test_a_hub_name_that_cannot_be_loaded_is_one_line_before_anything_starts(tmp_path):
+    """A relative path that does not exist reads as a hub name: up checks it loads before
+    starting anything, instead of a verifier dying later with a traceback in its log."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run([*SPECMESH, "up", "--target", "no-such-org/no-such-model",
+                             "--draft", "no-such-org/no-such-model"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "no-such-org/no-such-model is not a local model directory" in lines[0], lines[0]
+    assert "SERVING" not in result.stderr
+
+
 def _options():
     for name, command in typer.main.get_command(app).commands.items():
         for param in command.params:
