@@ -27,7 +27,7 @@ from gateway.clients import ReplicaFailed
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
-from gateway.rounds import RoundResult, RoundRunner, SpecCache
+from gateway.rounds import RoundResult, RoundRunner, SpecCache, commit_round
 from gateway.telemetry import RequestTelemetry
 from gateway.turns import TurnRecord, resumed_spec
 from services.config import GatewayConfig
@@ -492,14 +492,7 @@ class GenerationEngine:
     def _commit_counts(self, req: _Request, r: RoundResult, kept: list[int],
                        finish: Finish | None) -> None:
         """Appends ``kept`` to the handle and records how much of it each replica holds."""
-        h = req.handle
-        old_len = len(h.tokens)
-        # The verifier holds old + the accepted drafts; the drafter old + drafter_tail (drafts,
-        # and with pipelining its guess and the next drafts). Valid as far as those match.
-        h.verifier_len = old_len + min(r.num_accepted, len(kept))
-        if r.drafter_tail is not None:
-            h.drafter_len = old_len + _common_prefix(r.drafter_tail, kept)
-        h.tokens.extend(kept)
+        commit_round(req.handle, r, kept)
         req.usage.rounds += 1
         req.usage.draft_tokens += len(r.drafted)
         req.usage.accepted_draft_tokens += r.num_accepted
@@ -508,7 +501,7 @@ class GenerationEngine:
         turn.rounds, turn.draft_tokens = req.usage.rounds, req.usage.draft_tokens
         turn.accepted_draft_tokens = req.usage.accepted_draft_tokens
         turn.finish = finish.name if finish is not None else ""
-        h.turn = turn.to_dict()
+        req.handle.turn = turn.to_dict()
 
     async def close_session(self, session_id: str, tenant: str | None = None) -> int:
         """Deletes a session and frees its caches; returns its committed token count."""
@@ -520,12 +513,3 @@ class GenerationEngine:
         handle.keep = False
         await self._finish(handle, owner)
         return len(handle.tokens)
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -103,6 +103,28 @@ class RoundResult:
         return list(self.drafted[: self.num_accepted]) + [self.extra_token]
 
 
+def commit_round(h: SessionHandle, r: RoundResult, kept: list[int]) -> None:
+    """Appends the round's ``kept`` tokens (its proposed ones, possibly cut by a stop) to the
+    handle and moves each replica's cursor: how many committed tokens its cache holds. The
+    verifier holds the old tokens and the accepted drafts; the drafter the old tokens and its
+    tail (the drafts, and after a speculation call its guess and the next drafts), each valid
+    as far as it matches what was kept. The one place these cursors advance."""
+    old = len(h.tokens)
+    h.verifier_len = old + min(r.num_accepted, len(kept))
+    if r.drafter_tail is not None:
+        h.drafter_len = old + _common_prefix(r.drafter_tail, kept)
+    h.tokens.extend(kept)
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class RoundRunner:
     def __init__(self, config: GatewayConfig, drafters: ReplicaPool,
                  verifiers: ReplicaPool) -> None:

@@ -1,0 +1,118 @@
+"""The round loop's decisions, in process and in milliseconds (tests/round_harness.py):
+losslessness, speculation-cache branch selection and hit accounting, the replicas' cursors,
+reproducible seeded sampling, and what a replica that lost its cache costs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.params import SamplingParams
+from tests.round_harness import Harness, greedy_chain, tables
+
+PROMPT = [3, 17, 5, 42, 9]
+GREEDY = SamplingParams()
+
+
+def _run(harness: Harness, n: int, params=GREEDY, **kw):
+    return asyncio.run(harness.generate(PROMPT, n, params, **kw))
+
+
+@pytest.mark.parametrize("pipeline,fanout", [(False, 4), (True, 1), (True, 4), (True, 16)])
+def test_greedy_output_is_the_targets_own(pipeline, fanout):
+    """With and without the speculation cache, at any fan-out: the committed tokens are the
+    target's greedy chain, computed from its tables alone."""
+    target, draft = tables(vocab=48, seed=1, noise=1.5)
+    harness = Harness(target, draft, pipeline=pipeline, fanout=fanout)
+    h, rounds = _run(harness, 60)
+    assert h.tokens[len(PROMPT):][:60] == greedy_chain(target, PROMPT, 60)
+    accepted = sum(r.num_accepted for r in rounds)
+    assert 0 < accepted < 3 * len(rounds)  # the drafter is right sometimes, not always
+
+
+def test_a_prepared_branch_is_used_exactly_when_it_was_committed():
+    """Each round: "used" iff the committed (accepted drafts + the verifier's token) was one
+    of the branches prepared during the previous verify; then the round made no draft call
+    and its drafts are that branch's. Otherwise "dropped" (something prepared) or "none"."""
+    target, draft = tables(vocab=48, seed=2, noise=1.5)
+    harness = Harness(target, draft, pipeline=True, fanout=6)
+    stub = harness.stub("drafter")
+    seen = {"used": 0, "dropped": 0, "none": 0}
+    draft_calls = [0]
+
+    def check(before, committed_before, r, h):
+        calls = stub.calls.get("Draft", 0)
+        new_draft_calls, draft_calls[0] = calls - draft_calls[0], calls
+        seen[r.pipeline] += 1
+        if before is None:
+            assert r.pipeline == "none" and new_draft_calls == 1
+            return
+        key = tuple(committed_before[before.base:])
+        if key in before.branches:
+            assert r.pipeline == "used" and new_draft_calls == 0
+            assert r.drafted == before.branches[key].token_ids
+        else:
+            assert r.pipeline == "dropped" and new_draft_calls == 1
+
+    _run(harness, 80, on_round=check)
+    assert seen["used"] > 0 and seen["dropped"] > 0  # both paths ran
+    assert stub.calls["Speculate"] == sum(seen.values())  # one per round with drafts
+
+
+def test_cursors_match_what_each_replica_holds_so_no_round_resyncs():
+    """After every round the handle's cursors name a prefix each replica's cache really
+    holds (the committed tokens), and no call ever needed a resync or a fresh prefill
+    beyond the first: a cursor that ran ahead would force resyncs, one that lagged would
+    make the replica recompute."""
+    target, draft = tables(vocab=48, seed=3, noise=1.5)
+    harness = Harness(target, draft, pipeline=True, fanout=4)
+
+    def check(before, committed_before, r, h):
+        for engine, held in ((harness.verifier, h.verifier_len), (harness.drafter, h.drafter_len)):
+            entry = engine.caches._entries["s1"]
+            assert 0 < held <= len(h.tokens)
+            assert entry.tokens[:held] == h.tokens[:held]
+            assert entry.kv.get_seq_length() == len(entry.tokens)
+        # the verifier keeps exactly the accepted prefix; the last token is fed next round
+        assert h.verifier_len == len(h.tokens) - 1
+
+    _run(harness, 60, on_round=check)
+    for engine in (harness.verifier, harness.drafter):
+        assert engine.caches.resyncs_requested == 0
+        assert engine.caches.fresh_prefills == 1
+
+
+def test_seeded_sampling_draws_the_same_with_or_without_the_speculation_cache():
+    """A branch draws with the seed a fresh draft of that round would use, from the same q:
+    the same seed gives the same sampled text whether the drafts came from the cache, at
+    any fan-out, or from draft calls."""
+    target, draft = tables(vocab=48, seed=4, noise=1.0)
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    outputs = set()
+    for pipeline, fanout in ((False, 4), (True, 2), (True, 12)):
+        h, rounds = _run(Harness(target, draft, pipeline=pipeline, fanout=fanout), 50,
+                         params, seed=11)
+        outputs.add(tuple(h.tokens[len(PROMPT):][:50]))
+        if pipeline:
+            assert any(r.pipeline == "used" for r in rounds)
+    assert len(outputs) == 1
+    other, _ = _run(Harness(target, draft, pipeline=True, fanout=4), 50, params, seed=12)
+    assert tuple(other.tokens[len(PROMPT):][:50]) not in outputs  # the seed matters
+
+
+def test_a_drafter_that_lost_the_session_is_resynced_and_output_is_unchanged():
+    """Evicting the session from the drafter mid-stream costs one resync, not a wrong
+    token: the cursor check (base hash) catches it."""
+    target, draft = tables(vocab=48, seed=5, noise=1.5)
+    harness = Harness(target, draft, pipeline=True, fanout=4)
+    evicted = []
+
+    def evict(before, committed_before, r, h):
+        if len(evicted) < 1 and len(h.tokens) > len(PROMPT) + 20:
+            evicted.append(harness.drafter.caches.release("s1"))
+
+    h, _ = _run(harness, 60, on_round=evict)
+    assert evicted == [True]
+    assert h.tokens[len(PROMPT):][:60] == greedy_chain(target, PROMPT, 60)
+    assert harness.drafter.caches.resyncs_requested >= 1
