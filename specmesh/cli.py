@@ -92,11 +92,16 @@ def _server(port: int, host: str, tls_cert: str, tls_key: str, tls_ca: str, heal
 KvBudget = Annotated[int, typer.Option("--kv-budget-mb", envvar="SPECMESH_KV_BUDGET_MB",
                                        help="KV cache memory budget; idle sessions are "
                                             "evicted least recently used first (0 = none).")]
+Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
+                                      help="auto: Llama-architecture models run a lean forward "
+                                           "(same kernels and logits as transformers', less "
+                                           "Python per call); hf: transformers' own forward.")]
 
 
 def _model_service(kind: str, server, model, device, dtype, max_sessions, max_draft, threads,
                    max_queue, telemetry, drafter_kind: str = "model", redis: str = "",
-                   advertise: str = "", kv_budget_mb: int = 0, max_batch: int = 16) -> None:
+                   advertise: str = "", kv_budget_mb: int = 0, max_batch: int = 16,
+                   forward: str = "auto") -> None:
     from services.config import ModelServiceConfig
 
     model = model_reference(model, "--model")
@@ -106,7 +111,8 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                                     max_draft_tokens=max_draft, threads=threads,
                                     max_queue=max_queue, max_batch=max_batch,
                                     kind=drafter_kind, redis_url=redis,
-                                    advertise=advertise, kv_budget_mb=kv_budget_mb)
+                                    advertise=advertise, kv_budget_mb=kv_budget_mb,
+                                    forward=forward)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if kind == "drafter":
@@ -129,14 +135,14 @@ def drafter(model: Model,
             log_format: LogFormat = "json",
             log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "",
             kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "", tls_key: TlsKey = "",
-            tls_ca: TlsCa = "", health_port: HealthPort = 0) -> None:
+            tls_ca: TlsCa = "", health_port: HealthPort = 0, forward: Forward = "auto") -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
     _model_service("drafter", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("drafter", metrics_port, log_format, log_level), kind, redis,
-                   advertise, kv_budget_mb, max_batch)
+                   advertise, kv_budget_mb, max_batch, forward)
 
 
 @app.command()
@@ -147,13 +153,14 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              log_format: LogFormat = "json",
              log_level: LogLevel = "info", redis: Redis = "",
              advertise: Advertise = "", kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "",
-             tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0) -> None:
+             tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0,
+             forward: Forward = "auto") -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("verifier", metrics_port, log_format, log_level), "model", redis,
-                   advertise, kv_budget_mb, max_batch)
+                   advertise, kv_budget_mb, max_batch, forward)
 
 
 @app.command()
