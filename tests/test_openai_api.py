@@ -24,8 +24,7 @@ DEMO = Path(__file__).resolve().parent.parent / "models"
 # positions per round) than one full forward; on the demo target HF's own full forward and
 # token-by-token cached forward differ by up to 6e-3 in log-probability.
 TOL = 1e-2
-PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser:\n    def __init__(self",
-           "    for key, value in", "# Copyright"]
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser:\n    def __init__(self"]
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +37,13 @@ def pair(tiny_pair):
 
 @pytest.fixture(scope="module")
 def http_mesh(pair, redis_url, tmp_path_factory):
-    port = free_port()
+    port, metrics = free_port(), free_port()
     mesh = start_mesh(MeshSpec(target=pair[0], draft=pair[1], port=free_port(),
                                redis_url=redis_url, log_dir=tmp_path_factory.mktemp("http"),
                                extra_gateway_args=("--http-port", str(port),
-                                                   "--max-new-tokens-cap", "512")))
-    yield mesh, f"http://127.0.0.1:{port}"
+                                                   "--max-new-tokens-cap", "512",
+                                                   "--metrics-port", str(metrics))))
+    yield mesh, f"http://127.0.0.1:{port}", metrics
     mesh.stop()
 
 
@@ -272,3 +272,25 @@ def test_health_readiness_and_unknown_routes(http_mesh):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(base + "/v1/embeddings")
     assert err.value.code == 404 and json.load(err.value)["error"]["code"] == "not_found"
+
+
+def test_http_requests_are_counted_by_route_and_status(http_mesh):
+    """Runs after the tests above (same module): their requests are in the gateway's
+    Prometheus metrics, by route and status, with their durations."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_mesh[2]}/metrics") as resp:
+        text = resp.read().decode()
+
+    def count(name: str, route: str, status: int) -> float:
+        total = 0.0
+        for line in text.splitlines():
+            if (line.startswith(name + "{") and f'http_route="{route}"' in line
+                    and f'http_response_status_code="{status}"' in line):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    assert count("specmesh_http_requests_total", "/v1/completions", 200) >= 8
+    assert count("specmesh_http_requests_total", "/v1/completions", 400) >= 9
+    assert count("specmesh_http_requests_total", "/v1/completions", 404) >= 2
+    assert count("specmesh_http_requests_total", "/v1/chat/completions", 200) >= 5
+    assert count("specmesh_http_request_duration_seconds_count", "/v1/completions", 200) == \
+        count("specmesh_http_requests_total", "/v1/completions", 200)

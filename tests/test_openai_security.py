@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import time
 import urllib.error
 import urllib.request
 
@@ -144,6 +145,16 @@ def test_a_full_gateway_is_429_with_retry_after(secured):
     assert err.status_code == 429
     assert "gateway is at its limit of 1 concurrent requests" in err.body["message"]
     assert err.response.headers["retry-after"] == "1"
+    # The client that went away freed its slot: carol gets in (once the stream is torn down).
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert carol.completions.create(model="target", prompt="a",
+                                            max_tokens=1).usage.completion_tokens == 1
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "a closed stream kept its slot"
+            time.sleep(0.2)
 
 
 def test_redis_down_is_503_with_retry_after(secured):
