@@ -22,9 +22,10 @@ from opentelemetry import metrics as metrics_api
 from opentelemetry import trace
 
 from gateway import clients
-from gateway.adaptive import AcceptanceCounts, AdaptiveK, CostModel, load_level
+from gateway.adaptive import AdaptiveK
 from gateway.clients import ReplicaFailed
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.draft_length import DraftLength
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
 from gateway.rounds import RoundResult, RoundRunner, SpecCache, commit_round
@@ -118,8 +119,7 @@ class GenerationEngine:
         self.metrics = GatewayMetrics(meter, lambda: self._inflight)
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
-        self.costs: dict[tuple[str, int], CostModel] = {}  # per drafter kind and load level
-        self.acceptance: dict[str, AcceptanceCounts] = {}  # per drafter kind
+        self.k = DraftLength(config, limits, drafters, lambda: self._inflight)
         self._inflight = 0
 
     # ----- request lifecycle -------------------------------------------------------------
@@ -276,79 +276,11 @@ class GenerationEngine:
         return Chunk(text=text, token_ids=h.tokens[start:], session_id=h.session_id,
                      offset=start, finish=finish, usage=req.usage if finish else None)
 
-    def _drafter_kind(self, spec: GenerationSpec) -> str:
-        """The request's drafter kind, else the default, else whichever kind there is."""
-        kinds = self.drafters.kinds()
-        if spec.drafter_kind:
-            return spec.drafter_kind
-        kind = self.config.default_drafter_kind
-        return kind if kind in kinds or not kinds else sorted(kinds)[0]
-
-    def _choose_k(self, req: _Request, kind: str) -> int:
-        """The request's k, else the gateway's, else the adaptive choice; capped by the
-        remaining budget and context."""
-        spec = req.spec
-        if not spec.speculate or len(self.drafters) == 0:
-            return 0
-        k = spec.num_draft_tokens or self.config.num_draft_tokens
-        if not k and spec.seed is not None and not spec.params.greedy:
-            # A seeded sample is reproducible only with the same k in every run: adaptive k
-            # depends on timings, so seeded sampling uses a fixed k.
-            k = min(4, self.config.max_adaptive_k)
-        if not k:
-            if req.adaptive is None:
-                req.adaptive = AdaptiveK(self._costs(kind), self.config.max_adaptive_k)
-            req.adaptive.costs = self._costs(kind)  # the load may have changed
-            k = req.adaptive.next_k()
-        room = self.limits.max_context - len(req.handle.tokens) - 1
-        return max(0, min(k, self.limits.max_draft_tokens, spec.max_new_tokens - req.generated - 1,
-                          room))
-
-    def _learn(self, req: _Request, kind: str, r: RoundResult) -> None:
-        """Feeds the round's measured costs and acceptance to the adaptive k (the costs only
-        of rounds with warm caches that drafted on their critical path: a prefetched draft
-        cost nothing there, but only because the previous round's guess held)."""
-        k = len(r.drafted)
-        if r.pipeline != "used" and r.warm:
-            self._costs(kind).observe(
-                k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
-        if req.adaptive is None:  # (an adaptive k feeds the shared counts itself)
-            self._acceptance(kind).observe(k, r.num_accepted)
-        else:
-            req.adaptive.observe(k, r.num_accepted)
-            log.debug("session %s: k=%d accepted=%d pipeline=%s alpha=%.2f costs=%s",
-                      req.handle.session_id, k, r.num_accepted, r.pipeline or "-",
-                      req.adaptive.alpha, self._costs(kind))
-
-    def _costs(self, kind: str) -> CostModel:
-        """The cost model of ``kind`` at the gateway's current load: round cycles measured
-        with 8 requests in flight say little about a lone request's, and the reverse."""
-        key = (kind, load_level(self._inflight))
-        model = self.costs.get(key)
-        if model is None:
-            model = self.costs[key] = CostModel(acceptance=self._acceptance(kind))
-        return model
-
-    def _acceptance(self, kind: str) -> AcceptanceCounts:
-        """The gateway-wide acceptance counts of a drafter kind (all requests' rounds)."""
-        return self.acceptance.setdefault(kind, AcceptanceCounts(decay=0.98))
-
-    def _learn_cycle(self, req: _Request, kind: str, now: float) -> None:
-        """The previous round's whole cycle (its calls, the gateway's commit and streaming,
-        what pipelining hid), measured from its start to this round's: what the adaptive k
-        weighs against tokens per round."""
-        if req.last_round is None:
-            return
-        started, r = req.last_round
-        if r.warm:
-            self._costs(kind).observe_cycle(
-                len(r.drafted), (now - started) * 1000.0)
-
     async def _stream(self, req: _Request, span: trace.Span) -> AsyncIterator[Chunk]:
         spec, h = req.spec, req.handle
         detok = IncrementalDetokenizer(self.tokenizer, h.tokens[:req.turn.start])
         stop = StopMatcher(list(spec.stop))
-        kind = self._drafter_kind(spec)
+        kind = self.k.kind(spec)
         finish: Finish | None = None
         if spec.resume_from:
             chunk = self._resume_chunk(req, detok, stop)
@@ -379,7 +311,7 @@ class GenerationEngine:
                 running = None
                 with trace.use_span(round_span, end_on_exit=True):
                     req.prefetch = r.prefetch
-                    self._learn(req, kind, r)
+                    self.k.learn(req, kind, r)
                     req.last_round = (start, r)
                     kept, text, finish = self._accept(req, r.proposed, detok, stop)
                     self._commit_counts(req, r, kept, finish)
@@ -402,14 +334,14 @@ class GenerationEngine:
         """Chooses k and runs the request's next round under its own span (ended by the
         caller once the round is accounted for)."""
         start = time.perf_counter()
-        self._learn_cycle(req, kind, start)
-        k = self._choose_k(req, kind)
+        self.k.learn_cycle(req, kind, start)
+        k = self.k.choose(req, kind)
         round_span = self.telemetry.round_span(span, req, k)
         try:
             with trace.use_span(round_span):
                 r = await self.rounds.run(req.handle, req.spec.params, k, kind, req.seed,
                                           req.usage.rounds, req.deadline, req.prefetch,
-                                          self._acceptance(kind).alpha(0.7), req.spec.logprobs)
+                                          self.k.acceptance_of(kind).alpha(0.7), req.spec.logprobs)
         except BaseException:
             round_span.end()
             raise

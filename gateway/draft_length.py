@@ -1,0 +1,102 @@
+"""How many tokens a round drafts, and what each round teaches that choice.
+
+The request's k, else the gateway's (``--num-draft-tokens``), else the adaptive choice
+(gateway/adaptive.py) from the measured costs at the current load and the gateway-wide
+acceptance counts of the drafter kind; always capped by the request's remaining budget,
+the context and the replicas' limit. The acceptance counts also weigh the speculation
+cache's branches (gateway/rounds.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from gateway.adaptive import AcceptanceCounts, AdaptiveK, CostModel, load_level
+from gateway.replicas import ReplicaPool
+from gateway.rounds import RoundResult
+from services.config import GatewayConfig
+
+log = logging.getLogger(__name__)
+
+
+class DraftLength:
+    """One per gateway; ``req`` is the engine's per-request state (spec, handle, generated,
+    adaptive, last_round)."""
+
+    def __init__(self, config: GatewayConfig, limits, drafters: ReplicaPool,
+                 inflight: Callable[[], int]) -> None:
+        self.config = config
+        self.limits = limits
+        self.drafters = drafters
+        self._inflight = inflight
+        self.costs: dict[tuple[str, int], CostModel] = {}  # per drafter kind and load level
+        self.acceptance: dict[str, AcceptanceCounts] = {}  # per drafter kind
+
+    def kind(self, spec) -> str:
+        """The request's drafter kind, else the default, else whichever kind there is."""
+        kinds = self.drafters.kinds()
+        if spec.drafter_kind:
+            return spec.drafter_kind
+        kind = self.config.default_drafter_kind
+        return kind if kind in kinds or not kinds else sorted(kinds)[0]
+
+    def choose(self, req, kind: str) -> int:
+        """The request's k, else the gateway's, else the adaptive choice; capped by the
+        remaining budget and context."""
+        spec = req.spec
+        if not spec.speculate or len(self.drafters) == 0:
+            return 0
+        k = spec.num_draft_tokens or self.config.num_draft_tokens
+        if not k and spec.seed is not None and not spec.params.greedy:
+            # A seeded sample is reproducible only with the same k in every run: adaptive k
+            # depends on timings, so seeded sampling uses a fixed k.
+            k = min(4, self.config.max_adaptive_k)
+        if not k:
+            if req.adaptive is None:
+                req.adaptive = AdaptiveK(self._costs(kind), self.config.max_adaptive_k)
+            req.adaptive.costs = self._costs(kind)  # the load may have changed
+            k = req.adaptive.next_k()
+        room = self.limits.max_context - len(req.handle.tokens) - 1
+        return max(0, min(k, self.limits.max_draft_tokens, spec.max_new_tokens - req.generated - 1,
+                          room))
+
+    def learn(self, req, kind: str, r: RoundResult) -> None:
+        """Feeds the round's measured costs and acceptance to the adaptive k (the costs only
+        of rounds with warm caches that drafted on their critical path: a prefetched draft
+        cost nothing there, but only because the previous round's guess held)."""
+        k = len(r.drafted)
+        if r.pipeline != "used" and r.warm:
+            self._costs(kind).observe(
+                k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
+        if req.adaptive is None:  # (an adaptive k feeds the shared counts itself)
+            self.acceptance_of(kind).observe(k, r.num_accepted)
+        else:
+            req.adaptive.observe(k, r.num_accepted)
+            log.debug("session %s: k=%d accepted=%d pipeline=%s alpha=%.2f costs=%s",
+                      req.handle.session_id, k, r.num_accepted, r.pipeline or "-",
+                      req.adaptive.alpha, self._costs(kind))
+
+    def _costs(self, kind: str) -> CostModel:
+        """The cost model of ``kind`` at the gateway's current load: round cycles measured
+        with 8 requests in flight say little about a lone request's, and the reverse."""
+        key = (kind, load_level(self._inflight()))
+        model = self.costs.get(key)
+        if model is None:
+            model = self.costs[key] = CostModel(acceptance=self.acceptance_of(kind))
+        return model
+
+    def acceptance_of(self, kind: str) -> AcceptanceCounts:
+        """The gateway-wide acceptance counts of a drafter kind (all requests' rounds)."""
+        return self.acceptance.setdefault(kind, AcceptanceCounts(decay=0.98))
+
+    def learn_cycle(self, req, kind: str, now: float) -> None:
+        """The previous round's whole cycle (its calls, the gateway's commit and streaming,
+        what pipelining hid), measured from its start to this round's: what the adaptive k
+        weighs against tokens per round."""
+        if req.last_round is None:
+            return
+        started, r = req.last_round
+        if r.warm:
+            self._costs(kind).observe_cycle(
+                len(r.drafted), (now - started) * 1000.0)
