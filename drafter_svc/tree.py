@@ -23,6 +23,7 @@ import torch
 
 from services.batching import Row, forward_one
 from services.kv_cache import SessionCache
+from services.kv_slab import SlabCache
 from services.messages import Branch, DraftResult, SpeculateCall
 from services.sampling import sparse_draft_sample_rows, warp_logits
 from services.speculation import plan_branches
@@ -67,7 +68,10 @@ def draft_tree(model, entry: SessionCache, new_tokens: list[int], call: Speculat
     plan = plan_branches(drafts, guess_distribution(logits, call), call.acceptance,
                          call.max_branches, call.coverage)
     lengths = [committed + j for j, _, _ in plan]
-    cache, longest = _batch_cache(model, entry.kv, lengths, new_cache)
+    if isinstance(entry.kv, SlabCache):  # the lean forward's: written in place, with room
+        cache, longest = SlabCache.left_padded(entry.kv, lengths, steps)
+    else:
+        cache, longest = _batch_cache(model, entry.kv, lengths, new_cache)
     rows = len(plan)
     feed = torch.tensor([[t] for _, t, _ in plan], dtype=torch.long)  # [B, 1]
     mask = torch.zeros(rows, longest, dtype=torch.long)  # [B, longest] 1 = real key

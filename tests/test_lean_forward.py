@@ -134,3 +134,21 @@ def test_slab_cache_writes_in_place_and_rolls_back_by_length():
     assert keys[0, 0, :, 0].tolist() == [0.0, 1.0, 7.0, 4.0, 5.0]
     cache.crop(2)  # a non-negative argument is the length to keep
     assert cache.get_seq_length() == 2 and layer.keys.shape == (1, 2, 2, 3)
+
+
+def test_left_padded_batch_cache_rows_and_room():
+    """The drafter's tree batch: row b holds the first lengths[b] positions at the right,
+    zeros before them, and the steps after it write into the room without a copy."""
+    cache = SlabCache(num_layers=2, chunk=4)
+    for layer in range(2):
+        ids = torch.arange(1.0, 7.0).view(1, 1, 6, 1) * (layer + 1)  # [1, KV=1, 6, D=1]
+        cache.update(ids, -ids, layer)
+    batch, longest = SlabCache.left_padded(cache, [6, 4, 5], room=3)
+    assert longest == 6 and batch.get_seq_length() == 6
+    keys = batch.layers[1].keys[:, 0, :, 0]
+    assert keys.tolist() == [[2, 4, 6, 8, 10, 12], [0, 0, 2, 4, 6, 8], [0, 2, 4, 6, 8, 10]]
+    assert batch.layers[0].values[2, 0, :, 0].tolist() == [0, -1, -2, -3, -4, -5]
+    buffer = batch.layers[0]._keys.data_ptr()
+    for _ in range(3):
+        batch.update(torch.ones(3, 1, 1, 1), torch.ones(3, 1, 1, 1), 0)
+    assert batch.layers[0]._keys.data_ptr() == buffer and batch.get_seq_length() == 9
