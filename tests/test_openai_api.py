@@ -294,3 +294,35 @@ def test_http_requests_are_counted_by_route_and_status(http_mesh):
     assert count("specmesh_http_requests_total", "/v1/chat/completions", 200) >= 5
     assert count("specmesh_http_request_duration_seconds_count", "/v1/completions", 200) == \
         count("specmesh_http_requests_total", "/v1/completions", 200)
+
+
+@pytest.mark.parametrize("data, message", [
+    (b'{"prompt": "x",', "the request body is not valid JSON"),
+    (b"", "the request body must be a JSON object"),
+])
+def test_malformed_bodies_are_400(http_mesh, data, message):
+    req = urllib.request.Request(http_mesh[1] + "/v1/completions", data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    body = json.load(err.value)
+    assert err.value.code == 400 and body["error"]["message"].startswith(message)
+
+
+def test_stop_strings_and_seeds(client, target, pair):
+    """A stop string cuts the greedy text before it (finish_reason stop); the same seed
+    samples the same text again."""
+    model, tokenizer = target
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    full = tokenizer.decode(hf_greedy(model, ids, 40), skip_special_tokens=True)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    r = client.completions.create(model=pair[0], prompt=PROMPTS[0], max_tokens=40,
+                                  temperature=0, stop=[stop, "\x00never"])
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    texts = [client.completions.create(model=pair[0], prompt=PROMPTS[0], max_tokens=24,
+                                       temperature=0.9, top_p=0.95, seed=seed).choices[0].text
+             for seed in (1234, 1234, 1, 2, 3)]
+    assert texts[0] == texts[1]
+    assert len(set(texts)) > 1, "other seeds should sample something else"

@@ -160,10 +160,15 @@ class OpenAIApi:
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     """Pydantic's complaint about a body field, as a 400 naming the field."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "")
+        return ApiError(400, f"the request body is not valid JSON: {reason}").response()
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     field = ".".join(loc)
-    message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
-    return ApiError(400, message, param=field or None).response()
+    if not field:
+        return ApiError(400, "the request body must be a JSON object (Content-Type: "
+                             "application/json)").response()
+    return ApiError(400, f"{field}: {first.get('msg')}", param=field).response()
 
 
 def build_app(ctx: HttpContext) -> FastAPI:
