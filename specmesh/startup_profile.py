@@ -7,8 +7,8 @@
    grpc.health.v1 answer SERVING, polled every 20 ms (faster than any launcher, so the figure
    is the replica's own time), with the CPU seconds the process used until then (on a busy
    machine the wall time is about this CPU time over the process's share of the cores).
-2. **Phases**: a fresh interpreter runs the replica's start-up steps in their order, each
-   timed: the interpreter itself, ``import torch``, the service's own modules (gRPC,
+2. **Phases** (median of ``--runs``): a fresh interpreter runs the replica's start-up steps
+   in their order, each timed: the interpreter itself, ``import torch``, the service's own modules (gRPC,
    OpenTelemetry, protobuf, Redis), transformers with the model's class, then
    ``load_for_serving`` (weights, tokenizer, fingerprint, warm-up forward). What the time to
    SERVING has beyond their sum is the engine, the gRPC server's start and the process spawn.
@@ -25,23 +25,25 @@ import time
 
 _PHASES = r"""
 import json, sys, time
-t = [time.perf_counter()]
+clock = lambda: (time.perf_counter(), time.process_time())
+t = [clock()]
 import torch
-t.append(time.perf_counter())
+t.append(clock())
 import importlib
 importlib.import_module(sys.argv[2] + "_svc.server")
-t.append(time.perf_counter())
+t.append(clock())
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(sys.argv[1]))]
-t.append(time.perf_counter())
+t.append(clock())
 from services.models import load_for_serving
 load_for_serving(sys.argv[1], "cpu", "float32", int(sys.argv[3]))
-t.append(time.perf_counter())
+t.append(clock())
 names = ["import torch", "service modules (gRPC, OpenTelemetry, protobuf, Redis)",
          "transformers + the model class", "load_for_serving (weights, tokenizer, "
          "fingerprint, warm-up)"]
-print(json.dumps({n: t[i + 1] - t[i] for i, n in enumerate(names)}))
+print(json.dumps({n: [t[i + 1][0] - t[i][0], t[i + 1][1] - t[i][1]]
+                  for i, n in enumerate(names)}))
 """
 
 
@@ -71,13 +73,15 @@ def time_to_serving(role: str, model: str, threads: int,
         proc.wait(30)
 
 
-def phases(role: str, model: str, threads: int) -> dict[str, float]:
+def phases(role: str, model: str, threads: int) -> dict[str, list[float]]:
+    """Each phase's [wall, CPU] seconds (the interpreter's start: wall only, CPU as wall)."""
     start = time.monotonic()
     subprocess.run([sys.executable, "-c", "pass"], check=True)
     interpreter = time.monotonic() - start
     out = subprocess.run([sys.executable, "-c", _PHASES, model, role, str(threads)],
                          check=True, capture_output=True, text=True).stdout
-    return {"interpreter start": interpreter, **json.loads(out.strip().splitlines()[-1])}
+    return {"interpreter start": [interpreter, interpreter],
+            **json.loads(out.strip().splitlines()[-1])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,18 +90,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--role", choices=("drafter", "verifier"), required=True)
     parser.add_argument("--model", required=True, help="The model directory to serve.")
     parser.add_argument("--threads", type=int, default=1, help="--threads of the replica.")
-    parser.add_argument("--runs", type=int, default=3, help="Timed starts (median shown).")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="Timed starts and phase runs (medians shown).")
     args = parser.parse_args(argv)
     runs = [time_to_serving(args.role, args.model, args.threads) for _ in range(args.runs)]
-    steps = phases(args.role, args.model, args.threads)
-    total = statistics.median(wall for wall, _ in runs)
-    print(f"{args.role} {args.model}: SERVING after {total:.2f} s (median of "
-          f"{', '.join(f'{w:.2f}' for w, _ in runs)}; CPU "
+    samples = [phases(args.role, args.model, args.threads) for _ in range(args.runs)]
+    steps = {name: [statistics.median(s[name][j] for s in samples) for j in (0, 1)]
+             for name in samples[0]}
+    wall = statistics.median(w for w, _ in runs)
+    cpu = statistics.median(c for _, c in runs)
+    print(f"{args.role} {args.model}: SERVING after {wall:.2f} s, {cpu:.2f} CPU s (medians "
+          f"of {', '.join(f'{w:.2f}' for w, _ in runs)} s; CPU "
           f"{', '.join(f'{c:.2f}' for _, c in runs)} s)")
-    for name, seconds in steps.items():
-        print(f"  {seconds:6.2f} s  {name}")
-    print(f"  {total - sum(steps.values()):6.2f} s  the rest: engine, gRPC server start, "
-          "spawn (time to SERVING minus the phases)")
+    print("    wall     CPU  phase")
+    for name, (w, c) in steps.items():
+        print(f"  {w:6.2f}  {c:6.2f}  {name}")
+    print(f"  {wall - sum(w for w, _ in steps.values()):6.2f}  "
+          f"{cpu - sum(c for _, c in steps.values()):6.2f}  the rest: engine, gRPC server "
+          "start, spawn (time to SERVING minus the phases)")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ def test_startup_profile_reports_every_phase(tiny_pair):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"drafter {draft}: SERVING after "), lines
-    phases = [line.split(" s  ", 1)[1] for line in lines[1:]]
-    assert [p.split(" ")[0] for p in phases] == [
-        "interpreter", "import", "service", "transformers", "load_for_serving", "the"], phases
+    assert lines[1].split() == ["wall", "CPU", "phase"], lines
+    rows = [line.split() for line in lines[2:]]
+    assert [r[2] for r in rows] == [
+        "interpreter", "import", "service", "transformers", "load_for_serving", "the"], rows
+    phase_cpu = [float(r[1]) for r in rows[:-1]]
+    assert all(c > 0 for c in phase_cpu), rows
