@@ -326,3 +326,23 @@ def test_stop_strings_and_seeds(client, target, pair):
              for seed in (1234, 1234, 1, 2, 3)]
     assert texts[0] == texts[1]
     assert len(set(texts)) > 1, "other seeds should sample something else"
+
+
+def test_grpc_logprobs_per_chunk_and_their_validation(http_mesh):
+    import grpc
+
+    request = gateway_pb2.GenerateRequest(
+        prompt=PROMPTS[2], logprobs=True, sampling=gateway_pb2.SamplingParams(max_new_tokens=12))
+    with GatewayClient(http_mesh[0].gateway_address) as grpc_client:
+        chunks = list(grpc_client.stream(request))
+        assert sum(len(c.token_ids) for c in chunks) == chunks[-1].usage.completion_tokens
+        for c in chunks:
+            assert [t.token_id for t in c.logprobs] == list(c.token_ids)
+            assert all(not t.top_logprobs for t in c.logprobs)  # top_logprobs 0: none
+        for bad, message in (
+                (dict(logprobs=True, top_logprobs=21), "top_logprobs must be in 0..20, got 21"),
+                (dict(top_logprobs=2), "top_logprobs needs logprobs = true")):
+            with pytest.raises(grpc.RpcError) as err:
+                grpc_client.generate(gateway_pb2.GenerateRequest(prompt="x", **bad))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in err.value.details()
