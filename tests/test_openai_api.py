@@ -346,3 +346,32 @@ def test_grpc_logprobs_per_chunk_and_their_validation(http_mesh):
                 grpc_client.generate(gateway_pb2.GenerateRequest(prompt="x", **bad))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert message in err.value.details()
+
+
+def test_readiness_follows_grpc_health_through_a_drain(http_mesh):
+    """Last in this module (it stops the gateway): SIGTERM while a gRPC stream runs; the
+    gateway drains, its gRPC health is NOT_SERVING, and /ready answers 503 with it."""
+    import signal
+    import time
+
+    mesh, base, _ = http_mesh
+    request = gateway_pb2.GenerateRequest(
+        prompt=PROMPTS[0], sampling=gateway_pb2.SamplingParams(max_new_tokens=500))
+    seen = []
+    with GatewayClient(mesh.gateway_address) as grpc_client:
+        stream = grpc_client.stream(request)
+        next(stream)
+        mesh.proc("gateway").popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and 503 not in seen:
+            try:
+                with urllib.request.urlopen(base + "/ready", timeout=2) as resp:
+                    seen.append(resp.status)
+            except urllib.error.HTTPError as err:
+                seen.append(err.code)
+                assert json.load(err) == {"status": "not_serving"}
+            except urllib.error.URLError:
+                break  # the HTTP server is gone: the drain ended before a probe saw it
+            time.sleep(0.02)
+        stream.cancel()
+    assert 503 in seen, seen
