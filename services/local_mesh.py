@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.health import wait_serving
+from services.interrupts import deferred
 
 _handed_out: set[int] = set()
 
@@ -159,16 +160,17 @@ def _spawn(name: str, argv: list[str], log_dir: Path, env: dict | None = None,
     """Starts one process, its output in ``log_dir/<name>.log``; appended to ``started`` at
     once, so that whoever stops that list stops it too."""
     log_path = log_dir / f"{name}.log"
-    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     inherited = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_ENV}
-    popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env={**inherited, **(env or {})})
-    # No preexec_fn (e.g. PR_SET_PDEATHSIG): Python code between fork and exec can deadlock
-    # when other threads (gRPC's) hold locks; `up` stops its children on SIGINT/SIGTERM.
-    log.close()
-    proc = Proc(name=name, popen=popen, log_path=log_path, argv=argv, env=env or {})
-    if started is not None:
-        started.append(proc)
+    with deferred():  # an interrupt between fork and the append below would lose the child
+        with open(log_path, "ab") as log:  # the child keeps its own descriptor
+            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env={**inherited, **(env or {})})
+        # No preexec_fn (e.g. PR_SET_PDEATHSIG): Python code between fork and exec can deadlock
+        # when other threads (gRPC's) hold locks; `up` stops its children on SIGINT/SIGTERM.
+        proc = Proc(name=name, popen=popen, log_path=log_path, argv=argv, env=env or {})
+        if started is not None:
+            started.append(proc)
     return proc
 
 
@@ -211,14 +213,15 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
     StartCancelled; any failure also stops everything (and removes its temporary folder).
     ``into`` gets the Mesh before its first process starts, so that an exception raised by a
     signal handler anywhere cannot lose it."""
-    temp_dir = None if spec.log_dir else Path(tempfile.mkdtemp(prefix="specmesh-"))
+    procs: list[Proc] = []
+    with deferred():  # the temporary folder is recorded in the Mesh, the Mesh in ``into``
+        temp_dir = None if spec.log_dir else Path(tempfile.mkdtemp(prefix="specmesh-"))
+        mesh = Mesh(gateway_address=f"{spec.host}:{spec.port}", redis_url=spec.redis_url,
+                    procs=procs, temp_dir=temp_dir)
+        if into is not None:
+            into.append(mesh)
     log_dir = spec.log_dir or temp_dir
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs: list[Proc] = []
-    mesh = Mesh(gateway_address=f"{spec.host}:{spec.port}", redis_url=spec.redis_url, procs=procs,
-                temp_dir=temp_dir)
-    if into is not None:
-        into.append(mesh)
     metrics = spec.metrics_ports()
     try:
         if not spec.redis_url:

@@ -11,11 +11,8 @@ from contextlib import contextmanager
 
 import typer
 
+from services.interrupts import interrupting
 from services.local_mesh import Mesh, MeshSpec, start_mesh
-
-
-def _sigterm_as_ctrl_c(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 @contextmanager
@@ -32,7 +29,9 @@ def command_mesh(err) -> Iterator[Callable[[MeshSpec], Mesh]]:
         err.print(f"local mesh at {mesh.gateway_address} (logs: {logs})")
         return mesh
 
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
+    # Ctrl-C and SIGTERM raise KeyboardInterrupt, but never between starting a process and
+    # recording it (services/interrupts.py).
+    previous = {sig: signal.signal(sig, interrupting) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield start
     except KeyboardInterrupt:
@@ -40,11 +39,11 @@ def command_mesh(err) -> Iterator[Callable[[MeshSpec], Mesh]]:
         raise typer.Exit(130) from None
     finally:
         # A second Ctrl-C or SIGTERM must not cut the clean-up short.
-        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
         try:
             for mesh in meshes:
                 mesh.stop()
         finally:
-            signal.signal(signal.SIGINT, interrupt)
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
