@@ -36,6 +36,7 @@ def hf_reference(target_model) -> dict[int, tuple[list[int], int]]:
     return out
 
 
+@pytest.mark.timeout(600)  # ~2 min alone; each restart is ~4 CPU seconds, slower on a busy machine
 def test_streams_survive_every_tier_and_redis_killed_in_turn(tiny_pair, hf_reference,
                                                              tmp_path):
     cmesh = start_chaos_mesh(*tiny_pair, tmp_path / "logs")
