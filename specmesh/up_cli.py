@@ -144,6 +144,9 @@ def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, re
     spec = MeshSpec(target=target, draft=draft, port=port, drafters=drafters,
                     ngram_drafters=ngram_drafters, verifiers=verifiers, redis_url=redis,
                     log_dir=log_dir, metrics_port=metrics_port, extra_gateway_args=gateway_args)
+    if max(spec.metrics_ports().values()) > 65535:
+        raise typer.BadParameter(f"{metrics_port} + {len(spec.metrics_ports()) - 1} services is "
+                                 "past port 65535", param_hint="'--metrics-port'")
     signals.raising = False  # from here on processes exist: the start-up polls signals.event
     try:
         with console.status("starting the mesh"):
@@ -154,7 +157,8 @@ def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, re
                       "started was stopped")
         return signals.exit_code
     except RuntimeError as exc:  # a process did not come up: its log's end is in the message
-        typer.echo(f"error: {exc}", err=True)
+        kept = "" if log_dir else "\n(the temporary log folder is removed; --log-dir DIR keeps it)"
+        typer.echo(f"error: {exc}{kept}", err=True)
         return 1
     try:
         exe = os.path.relpath(Path(sys.executable).parent / "specmesh")

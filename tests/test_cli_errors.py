@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
     (["generate", "x", "--tls-ca", "/nonexistent/ca.pem"], "/nonexistent/ca.pem"),
     (["up", "--target", "/nonexistent", "--draft", "/nonexistent"], "/nonexistent"),
     (["up", "--verifiers", "0"], "--verifiers"),
+    (["up", "--metrics-port", "65534"], "--metrics-port"),
     (["verifier", "--model", "./no/such/model"], "./no/such/model"),
     (["generate", "x", "--no-such-option"], "--no-such-option"),
 ])
