@@ -121,6 +121,7 @@ class GenerationEngine:
                                           limits.model)
         self.k = DraftLength(config, limits, drafters, lambda: self._inflight)
         self._inflight = 0
+        self._background: set[asyncio.Task] = set()  # clean-ups still running
 
     # ----- request lifecycle -------------------------------------------------------------
 
@@ -137,16 +138,22 @@ class GenerationEngine:
         try:
             req = await self._start(spec, deadline, tenant)
             span = self.telemetry.generate_span(req)
+            completed = False
             try:
                 async for chunk in self._stream(req, span):
                     yield chunk
+                completed = True
             except BaseException as exc:
                 span.record_exception(exc)
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
                 raise
             finally:
                 span.end()
-                await self._finish(req.handle, req.owner)
+                await self._finish(req.handle, req.owner, free_caches=not completed)
+                if completed and not req.handle.keep:
+                    # The replicas' caches of a finished session are freed after the
+                    # response, not before it (the session itself is gone from Redis).
+                    self._in_background(self._free_caches(req.handle))
         finally:
             self._inflight -= 1
             self.metrics.active.add(-1)
@@ -240,8 +247,14 @@ class GenerationEngine:
                 f"leaves no room in the model's context of {self.limits.max_context} tokens: "
                 "shorten it")
 
-    async def _finish(self, h: SessionHandle, owner: str) -> None:
-        """A kept session gives up its lease; any other is deleted and its caches freed."""
+    def _in_background(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+
+    async def _finish(self, h: SessionHandle, owner: str, free_caches: bool = True) -> None:
+        """A kept session gives up its lease; any other is deleted (and its caches freed,
+        unless the caller does that later)."""
         try:
             if h.keep:
                 await self.store.release(h.session_id, owner)
@@ -249,6 +262,10 @@ class GenerationEngine:
             await self.store.delete(h.session_id)
         except Unavailable as exc:
             log.warning("could not finish session %s: %s", h.session_id, exc)
+        if free_caches:
+            await self._free_caches(h)
+
+    async def _free_caches(self, h: SessionHandle) -> None:
         for pool, address in ((self.verifiers, h.verifier), (self.drafters, h.drafter)):
             replica = pool.replicas.get(address)
             if replica is not None:

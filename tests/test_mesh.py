@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
 from specmesh.client import GatewayClient, build_request
-from specmesh.v1 import gateway_pb2
+from specmesh.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, verifier_pb2_grpc
 from tests.conftest import hf_greedy
 
 PROMPTS = [
@@ -109,6 +111,25 @@ def test_prompt_token_ids_equal_text_prompt(client, target_model):
     by_text = client.generate(build_request(PROMPTS[7], max_new_tokens=16))
     by_ids = client.generate(build_request(prompt_token_ids=ids, max_new_tokens=16))
     assert list(by_ids.token_ids) == list(by_text.token_ids)
+
+
+def test_a_finished_sessions_replica_caches_are_freed_after_the_response(client, mesh):
+    """The gateway frees an ephemeral session's KV caches on the drafter and the verifier
+    after it has answered (off the response's path), but it does free them."""
+    stubs = [verifier_pb2_grpc.VerifierStub(grpc.insecure_channel(a))
+             for a in mesh.verifier_addresses]
+    stubs += [drafter_pb2_grpc.DrafterStub(grpc.insecure_channel(a))
+              for a in mesh.drafter_addresses]
+
+    def sessions() -> int:
+        return sum(s.GetStats(common_pb2.StatsRequest(), timeout=10).sessions for s in stubs)
+
+    before = sessions()
+    client.generate(build_request(PROMPTS[2], max_new_tokens=12))
+    deadline = time.monotonic() + 10
+    while sessions() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sessions() == before
 
 
 def test_ephemeral_session_is_gone_after_the_request(client):
