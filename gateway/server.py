@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import time
 
 from gateway import clients
@@ -169,10 +170,12 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
     static = config.discovery == "static"
     # mTLS to drafters and verifiers when a CA is configured; otherwise plaintext inside the mesh.
     creds = channel_credentials(config.server.tls) if config.server.tls.mutual else None
+    # Call streams are cheaper per call, but a trace follows unary calls (one span each).
+    streams = not telemetry.tracing
     verifiers = ReplicaPool("verifier", config.verifiers if static else (),
-                            config.replica_retry_s, options, interceptors, creds)
+                            config.replica_retry_s, options, interceptors, creds, streams)
     drafters = ReplicaPool("drafter", config.drafters if static else (),
-                           config.replica_retry_s, options, interceptors, creds)
+                           config.replica_retry_s, options, interceptors, creds, streams)
     loop = asyncio.get_running_loop()
     followers = {"verifier": _Follower(verifiers, loop), "drafter": _Follower(drafters, loop)}
     watchers = _start_discovery(config, followers) if config.discovery == "kubernetes" else []
@@ -256,5 +259,15 @@ def _http_server(config: GatewayConfig, engine: GenerationEngine, auth: Authenti
 
 
 def run(config: GatewayConfig, telemetry_config: TelemetryConfig, wait_s: float = 120.0) -> None:
+    without_torch()
     telemetry = setup(telemetry_config)
     asyncio.run(_main(config, telemetry, wait_s))
+
+
+def without_torch() -> None:
+    """The gateway never runs a model, but transformers imports torch whenever it is
+    installed (loading a tokenizer pulls its config and RoPE modules). Marking torch absent
+    in this process keeps a gateway of a full install as light as the torch-free image (no
+    torch in memory, a faster start), and any torch import here fails loudly. Call it before
+    anything in the process loads transformers (the CLI's gateway command does)."""
+    sys.modules.setdefault("torch", None)

@@ -248,8 +248,10 @@ def gateway(
              "0 = off.")] = 0,
 ) -> None:
     """Run the gateway: the public specmesh.v1.Gateway API and the round loop."""
-    from gateway.server import StartupError, run
+    from gateway.server import StartupError, run, without_torch
     from services.config import GatewayConfig, load_api_keys, parse_addresses
+
+    without_torch()  # before --model is checked: transformers would import torch
 
     telemetry = _telemetry("gateway", metrics_port, log_format, log_level)
     server = _server(port, host, tls_cert, tls_key, tls_ca, health_port)

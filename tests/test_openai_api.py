@@ -348,6 +348,19 @@ def test_grpc_logprobs_per_chunk_and_their_validation(http_mesh):
             assert message in err.value.details()
 
 
+def test_the_running_gateway_has_no_torch_loaded(http_mesh):
+    """A full install has torch (the drafter and verifier need it); the gateway process
+    still runs without it: no torch library is mapped into it, while the verifier's is."""
+    import psutil
+
+    def torch_mapped(name: str) -> bool:
+        maps = psutil.Process(http_mesh[0].proc(name).popen.pid).memory_maps()
+        return any("libtorch" in m.path for m in maps)
+
+    assert torch_mapped("verifier-0")  # the check can see torch where it is
+    assert not torch_mapped("gateway")
+
+
 def test_readiness_follows_grpc_health_through_a_drain(http_mesh):
     """Last in this module (it stops the gateway): SIGTERM while a gRPC stream runs; the
     gateway drains, its gRPC health is NOT_SERVING, and /ready answers 503 with it."""
@@ -375,3 +388,4 @@ def test_readiness_follows_grpc_health_through_a_drain(http_mesh):
             time.sleep(0.02)
         stream.cancel()
     assert 503 in seen, seen
+
