@@ -5,6 +5,7 @@ with OpenAI's error shapes: 401, 403, 429 with Retry-After, 503 when Redis is go
 from __future__ import annotations
 
 import json
+import shutil
 import ssl
 import time
 import urllib.error
@@ -19,6 +20,9 @@ from services.certs import make_ca, make_cert
 from services.local_mesh import MeshSpec, free_port, start_mesh
 
 KEYS = {"alice": {}, "carol": {}, "bob": {"rate_per_s": 0.2, "burst": 1}}
+MODEL = "chat-target"  # the tiny target with a chat template of its own (as a real chat model)
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +35,21 @@ def secured(tiny_pair, tmp_path_factory):
         keys[name], digest = new_key()
         entries.append({"name": name, "sha256": digest, **limits})
     (work / "keys.json").write_text(json.dumps({"keys": entries}))
+    target = work / MODEL
+    shutil.copytree(tiny_pair[0], target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                              "chat_template": TEMPLATE}))
     redis, redis_url = local_mesh.start_redis(work)
     http_port = free_port()
     mesh = start_mesh(MeshSpec(
-        target=tiny_pair[0], draft=tiny_pair[1], port=free_port(), redis_url=redis_url,
+        target=str(target), draft=tiny_pair[1], port=free_port(), redis_url=redis_url,
         log_dir=work, drafters=0, tls=(str(certs.cert), str(certs.key), str(certs.ca)),
         extra_gateway_args=("--api-keys", str(work / "keys.json"), "--http-port",
                             str(http_port), "--max-inflight", "1")))
     try:
         yield {"url": f"https://127.0.0.1:{http_port}", "keys": keys, "ca": str(certs.ca),
-               "redis": redis, "model": tiny_pair[0]}
+               "redis": redis, "model": str(target)}
     finally:
         mesh.stop()
         redis.popen.kill()
@@ -72,12 +81,33 @@ def _error(call) -> openai.APIStatusError:
 
 def test_https_with_a_bearer_key_serves_completions(secured):
     alice = _client(secured, secured["keys"]["alice"])
-    assert [m.id for m in alice.models.list().data] == ["target"]
-    r = alice.completions.create(model="target", prompt="def f(x):", max_tokens=4,
+    assert [m.id for m in alice.models.list().data] == [MODEL]
+    r = alice.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4,
                                  temperature=0)
     assert r.usage.completion_tokens == 4
     assert _get(secured, "/ready")[:2] == (200, {"status": "serving"})  # unauthenticated
 
+
+
+def test_a_models_own_chat_template_prompts_the_target(secured):
+    """The template writes the BOS itself: the prompt is its text tokenized without adding
+    special tokens (one BOS, not two), and the reply is HF greedy on exactly those ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(secured["model"])
+    model = AutoModelForCausalLM.from_pretrained(secured["model"]).eval()
+    alice = _client(secured, secured["keys"]["alice"])
+    r = alice.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "short"}, {"role": "user", "content": "def f(x):"}])
+    ids = tokenizer(f"{tokenizer.bos_token}<|system|>short<|user|>def f(x):<|assistant|>",
+                    add_special_tokens=False)["input_ids"]
+    assert ids.count(tokenizer.bos_token_id) == 1
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    expected = out[0, len(ids):].tolist()
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
 
 def test_plain_http_and_untrusted_certificates_are_refused(secured):
     plain = openai.OpenAI(base_url=secured["url"].replace("https", "http") + "/v1",
@@ -103,19 +133,19 @@ def test_missing_or_bad_keys_get_401(secured, headers, message):
 
 def test_x_api_key_header_is_accepted(secured):
     status, body, _ = _get(secured, "/v1/models", {"x-api-key": secured["keys"]["alice"]})
-    assert status == 200 and body["data"][0]["id"] == "target"
+    assert status == 200 and body["data"][0]["id"] == MODEL
 
 
 def test_a_session_belongs_to_the_key_that_created_it(secured):
     alice = _client(secured, secured["keys"]["alice"])
     carol = _client(secured, secured["keys"]["carol"])
-    first = alice.completions.create(model="target", prompt="import os", max_tokens=3,
+    first = alice.completions.create(model=MODEL, prompt="import os", max_tokens=3,
                                      temperature=0, extra_body={"keep_session": True})
     sid = first.model_extra["session_id"]
-    err = _error(lambda: carol.completions.create(model="target", prompt=" #", max_tokens=2,
+    err = _error(lambda: carol.completions.create(model=MODEL, prompt=" #", max_tokens=2,
                                                   extra_body={"session_id": sid}))
     assert err.status_code == 403 and "belongs to another API key" in err.body["message"]
-    again = alice.completions.create(model="target", prompt=" #", max_tokens=2, temperature=0,
+    again = alice.completions.create(model=MODEL, prompt=" #", max_tokens=2, temperature=0,
                                      extra_body={"session_id": sid})
     assert again.usage.completion_tokens == 2
 
@@ -123,8 +153,8 @@ def test_a_session_belongs_to_the_key_that_created_it(secured):
 def test_rate_limit_is_429_with_retry_after(secured):
     """bob: 0.2 requests/s, burst 1: the second request at once is refused, saying when."""
     bob = _client(secured, secured["keys"]["bob"])
-    bob.completions.create(model="target", prompt="a", max_tokens=1)
-    err = _error(lambda: bob.completions.create(model="target", prompt="a", max_tokens=1))
+    bob.completions.create(model=MODEL, prompt="a", max_tokens=1)
+    err = _error(lambda: bob.completions.create(model=MODEL, prompt="a", max_tokens=1))
     assert err.status_code == 429 and err.body["type"] == "rate_limit_error"
     assert "'bob' is over its rate limit of 0.2 requests/s (burst 1): retry in " in \
         err.body["message"]
@@ -135,11 +165,11 @@ def test_a_full_gateway_is_429_with_retry_after(secured):
     """--max-inflight 1: while alice streams, carol's request is refused at once."""
     alice = _client(secured, secured["keys"]["alice"])
     carol = _client(secured, secured["keys"]["carol"])
-    stream = alice.completions.create(model="target", prompt="for i in", max_tokens=4000,
+    stream = alice.completions.create(model=MODEL, prompt="for i in", max_tokens=4000,
                                       temperature=0, stream=True)
     try:
         next(iter(stream))
-        err = _error(lambda: carol.completions.create(model="target", prompt="a", max_tokens=1))
+        err = _error(lambda: carol.completions.create(model=MODEL, prompt="a", max_tokens=1))
     finally:
         stream.close()
     assert err.status_code == 429
@@ -149,7 +179,7 @@ def test_a_full_gateway_is_429_with_retry_after(secured):
     deadline = time.monotonic() + 10
     while True:
         try:
-            assert carol.completions.create(model="target", prompt="a",
+            assert carol.completions.create(model=MODEL, prompt="a",
                                             max_tokens=1).usage.completion_tokens == 1
             break
         except openai.RateLimitError:
@@ -162,7 +192,7 @@ def test_redis_down_is_503_with_retry_after(secured):
     secured["redis"].popen.kill()
     secured["redis"].popen.wait(10)
     alice = _client(secured, secured["keys"]["carol"])
-    err = _error(lambda: alice.completions.create(model="target", prompt="a", max_tokens=1))
+    err = _error(lambda: alice.completions.create(model=MODEL, prompt="a", max_tokens=1))
     assert err.status_code == 503 and err.body["type"] == "service_unavailable_error"
     assert "session store (Redis) is unreachable" in err.body["message"]
     assert err.response.headers["retry-after"] == "1"
