@@ -171,9 +171,20 @@ def test_chat_on_the_default_template_equals_hf_and_carries_logprobs(client, tar
     assert all(len(c.top_logprobs) == 2 for c in content)
 
 
-def test_chat_session_keeps_the_conversation(client, target, pair):
+def _verifier_stats(mesh):
+    import grpc
+
+    from specmesh.v1 import common_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(mesh.verifier_addresses[0]) as channel:
+        return verifier_pb2_grpc.VerifierStub(channel).GetStats(common_pb2.StatsRequest(),
+                                                                timeout=10)
+
+
+def test_chat_session_keeps_the_conversation(client, target, pair, http_mesh):
     """A kept session (extension): the second turn sends only its new messages and
-    continues the session's tokens (KV caches kept): output = HF greedy on all of it."""
+    continues the session's tokens, on the verifier's kept KV cache (no prefill, no
+    resync): output = HF greedy on all of it."""
     model, tokenizer = target
     first = client.chat.completions.create(
         model=pair[0], messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=8,
@@ -181,9 +192,14 @@ def test_chat_session_keeps_the_conversation(client, target, pair):
     sid = first.model_extra["session_id"]
     ids = tokenizer("User: def add(a, b):\nAssistant:")["input_ids"]
     reply = hf_greedy(model, ids, 8)
+    before = _verifier_stats(http_mesh[0])
     second = client.chat.completions.create(
         model=pair[0], messages=[{"role": "user", "content": "Now subtract."}], max_tokens=8,
         temperature=0, extra_body={"session_id": sid})
+    after = _verifier_stats(http_mesh[0])
+    assert after.calls > before.calls
+    assert (after.fresh_prefills, after.resyncs_requested) == (before.fresh_prefills,
+                                                               before.resyncs_requested)
     turn = tokenizer("\nUser: Now subtract.\nAssistant:", add_special_tokens=False)["input_ids"]
     expected = hf_greedy(model, ids + reply + turn, 8)
     assert second.choices[0].message.content == tokenizer.decode(expected,
