@@ -315,7 +315,8 @@ def load(
             raise typer.BadParameter("--chaos kills and restarts the processes of a mesh it "
                                      "starts itself (model drafters): leave out --addr and "
                                      "--drafter ngram")
-        from specmesh.chaos import ChaosOptions, chaos_command
+        from specmesh.chaos import ChaosOptions
+        from specmesh.chaos_cli import chaos_command
 
         try:
             equal = chaos_command(ChaosOptions(streams=streams, duration_s=duration,

@@ -10,13 +10,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from specmesh.chaos import (
-    KILL_ORDER,
-    ChaosOptions,
-    build_chaos_report,
-    run_chaos,
-    start_chaos_mesh,
-)
+from specmesh.chaos import KILL_ORDER, ChaosOptions, run_chaos, start_chaos_mesh
+from specmesh.chaos_cli import build_chaos_report
 from specmesh.cli import app
 from specmesh.loadtest import PROMPTS
 from tests.conftest import hf_greedy
