@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import grpc
 from opentelemetry import trace
 
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.ngram import NgramDrafterEngine
+from services.call_stream import serve_calls
 from services.config import ModelServiceConfig
 from services.convert import (
     draft_call_from_pb,
@@ -43,6 +45,26 @@ class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
         result = await self.observed(call.cache, lambda: self.engine.speculate(call))
         trace.get_current_span().set_attribute("specmesh.branches", len(result.branches))
         return speculate_result_to_pb(result)
+
+    async def DraftStream(self, requests, context):
+        """Draft and Speculate calls over one stream (services/call_stream.py)."""
+
+        async def run_call(request, call_context):
+            if request.HasField("speculate"):
+                return await self.Speculate(request.speculate, call_context)
+            if request.HasField("draft"):
+                return await self.Draft(request.draft, call_context)
+            await call_context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                     "a DraftStream request needs a draft or a speculate call")
+
+        def reply(call_id, result, error):
+            if error is not None:
+                return drafter_pb2.DraftStreamResponse(id=call_id, error=error)
+            if isinstance(result, drafter_pb2.SpeculateResponse):
+                return drafter_pb2.DraftStreamResponse(id=call_id, speculate=result)
+            return drafter_pb2.DraftStreamResponse(id=call_id, draft=result)
+
+        await serve_calls(requests, context, run_call, reply)
 
 
 def build_engine(config: ModelServiceConfig) -> DrafterEngine | NgramDrafterEngine:

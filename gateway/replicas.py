@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.streams import CallStream, replica_stream
 from specmesh.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 # A restarted replica is found again within ~1 s instead of gRPC's default backoff of up to 2 min.
@@ -32,6 +33,7 @@ class Replica:
     failures: int = field(default=0)
     load: dict = field(default_factory=dict)  # last load the replica reported (redis registry)
     admitted: bool = True  # False while a discovered replica's model is being checked
+    stream: CallStream | None = None  # its call stream, when the pool uses them
 
     @property
     def up(self) -> bool:
@@ -41,7 +43,10 @@ class Replica:
 class ReplicaPool:
     def __init__(self, kind: str, addresses: tuple[str, ...], retry_s: float,
                  channel_options: list[tuple[str, int]], interceptors: list | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 streams: bool = False) -> None:
+        """``streams``: Draft, Speculate and Verify go over one call stream per replica
+        (gateway/streams.py) instead of a unary RPC each."""
         self._stub_cls = {"drafter": drafter_pb2_grpc.DrafterStub,
                           "verifier": verifier_pb2_grpc.VerifierStub}[kind]
         self.kind = kind
@@ -49,6 +54,7 @@ class ReplicaPool:
         self._options = [*channel_options, *_RECONNECT]
         self._interceptors = interceptors or None
         self._credentials = credentials  # None: plaintext; else TLS (mTLS with a client cert)
+        self._streams = streams
         self.replicas: dict[str, Replica] = {}
         self.update(frozenset(addresses))
 
@@ -63,10 +69,14 @@ class ReplicaPool:
             else:
                 channel = grpc.aio.secure_channel(address, self._credentials, options=self._options,
                                                   interceptors=self._interceptors)
-            self.replicas[address] = Replica(address, channel, self._stub_cls(channel))
+            stub = self._stub_cls(channel)
+            self.replicas[address] = Replica(address, channel, stub, stream=replica_stream(
+                self.kind, stub) if self._streams else None)
             added.append(self.replicas[address])
         for address in self.replicas.keys() - addresses:
             replica = self.replicas.pop(address)
+            if replica.stream is not None:
+                asyncio.get_running_loop().create_task(replica.stream.close())
             asyncio.get_running_loop().create_task(replica.channel.close(grace=10.0))
         return added
 
@@ -100,4 +110,6 @@ class ReplicaPool:
 
     async def close(self) -> None:
         for replica in self.replicas.values():
+            if replica.stream is not None:
+                await replica.stream.close()
             await replica.channel.close()

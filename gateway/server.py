@@ -170,10 +170,12 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
     static = config.discovery == "static"
     # mTLS to drafters and verifiers when a CA is configured; otherwise plaintext inside the mesh.
     creds = channel_credentials(config.server.tls) if config.server.tls.mutual else None
+    # Call streams are cheaper per call, but a trace follows unary calls (one span each).
+    streams = not telemetry.tracing
     verifiers = ReplicaPool("verifier", config.verifiers if static else (),
-                            config.replica_retry_s, options, interceptors, creds)
+                            config.replica_retry_s, options, interceptors, creds, streams)
     drafters = ReplicaPool("drafter", config.drafters if static else (),
-                           config.replica_retry_s, options, interceptors, creds)
+                           config.replica_retry_s, options, interceptors, creds, streams)
     loop = asyncio.get_running_loop()
     followers = {"verifier": _Follower(verifiers, loop), "drafter": _Follower(drafters, loop)}
     watchers = _start_discovery(config, followers) if config.discovery == "kubernetes" else []

@@ -70,12 +70,13 @@ def test_gateway_methods_and_streaming_shape():
 
 
 def test_internal_services_methods():
-    for module, name, calls in ((drafter_pb2, "Drafter", ("Draft", "Speculate")),
-                                (verifier_pb2, "Verifier", ("Verify",))):
+    for module, name, calls, stream in (
+            (drafter_pb2, "Drafter", ("Draft", "Speculate"), "DraftStream"),
+            (verifier_pb2, "Verifier", ("Verify",), "VerifyStream")):
         svc = _service(module, name)
         assert svc.full_name == f"specmesh.v1.{name}"
         methods = {m.name: (m.client_streaming, m.server_streaming) for m in svc.methods}
-        assert methods == {**{call: (False, False) for call in calls},
+        assert methods == {**{call: (False, False) for call in calls}, stream: (True, True),
                            "Release": (False, False), "GetModelInfo": (False, False),
                            "GetStats": (False, False)}
         assert svc.methods_by_name["GetModelInfo"].output_type is common_pb2.ModelInfo.DESCRIPTOR

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
+from services.call_stream import serve_calls
 from services.config import ModelServiceConfig
 from services.convert import verify_call_from_pb, verify_result_to_pb
 from services.errors import grpc_errors
@@ -28,6 +29,16 @@ class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
         self.metrics.draft_tokens.add(len(call.draft_ids))
         self.metrics.accepted_tokens.add(result.num_accepted)
         return verify_result_to_pb(result)
+
+    async def VerifyStream(self, requests, context):
+        """Verify calls over one stream (services/call_stream.py)."""
+
+        def reply(call_id, result, error):
+            if error is not None:
+                return verifier_pb2.VerifyStreamResponse(id=call_id, error=error)
+            return verifier_pb2.VerifyStreamResponse(id=call_id, result=result)
+
+        await serve_calls(requests, context, lambda r, ctx: self.Verify(r.call, ctx), reply)
 
 
 def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:

@@ -109,3 +109,13 @@ class ReplicaStats(_message.Message):
     forward_passes: int
     batched_calls: int
     def __init__(self, sessions: _Optional[int] = ..., calls: _Optional[int] = ..., fresh_prefills: _Optional[int] = ..., resyncs_requested: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_token_budget: _Optional[int] = ..., forward_ms: _Optional[float] = ..., forward_passes: _Optional[int] = ..., batched_calls: _Optional[int] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "message", "resync")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    resync: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., resync: _Optional[bool] = ...) -> None: ...

@@ -82,3 +82,25 @@ class SpeculateResponse(_message.Message):
     compute_ms: float
     batch_size: int
     def __init__(self, branches: _Optional[_Iterable[_Union[SpeculationBranch, _Mapping]]] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class DraftStreamRequest(_message.Message):
+    __slots__ = ("id", "draft", "speculate")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    draft: DraftRequest
+    speculate: SpeculateRequest
+    def __init__(self, id: _Optional[int] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., speculate: _Optional[_Union[SpeculateRequest, _Mapping]] = ...) -> None: ...
+
+class DraftStreamResponse(_message.Message):
+    __slots__ = ("id", "draft", "speculate", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    draft: DraftResponse
+    speculate: SpeculateResponse
+    error: _common_pb2.CallError
+    def __init__(self, id: _Optional[int] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., speculate: _Optional[_Union[SpeculateResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...

@@ -46,6 +46,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.SpeculateRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_drafter__pb2.SpeculateResponse.FromString,
                 _registered_method=True)
+        self.DraftStream = channel.stream_stream(
+                '/specmesh.v1.Drafter/DraftStream',
+                request_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftStreamRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftStreamResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specmesh.v1.Drafter/Release',
                 request_serializer=specmesh_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -82,6 +87,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftStream(self, request_iterator, context):
+        """Draft and Speculate calls over one long-lived stream (see
+        Verifier.VerifyStream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the session's draft cache.
         """
@@ -113,6 +126,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Speculate,
                     request_deserializer=specmesh_dot_v1_dot_drafter__pb2.SpeculateRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_drafter__pb2.SpeculateResponse.SerializeToString,
+            ),
+            'DraftStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DraftStream,
+                    request_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftStreamRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -185,6 +203,33 @@ class Drafter:
             '/specmesh.v1.Drafter/Speculate',
             specmesh_dot_v1_dot_drafter__pb2.SpeculateRequest.SerializeToString,
             specmesh_dot_v1_dot_drafter__pb2.SpeculateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specmesh.v1.Drafter/DraftStream',
+            specmesh_dot_v1_dot_drafter__pb2.DraftStreamRequest.SerializeToString,
+            specmesh_dot_v1_dot_drafter__pb2.DraftStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,3 +52,21 @@ class VerifyResponse(_message.Message):
     batch_size: int
     logprobs: _containers.RepeatedCompositeFieldContainer[VerifiedLogprob]
     def __init__(self, num_accepted: _Optional[int] = ..., extra_token_id: _Optional[int] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[VerifiedLogprob, _Mapping]]] = ...) -> None: ...
+
+class VerifyStreamRequest(_message.Message):
+    __slots__ = ("id", "call")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    call: VerifyRequest
+    def __init__(self, id: _Optional[int] = ..., call: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+
+class VerifyStreamResponse(_message.Message):
+    __slots__ = ("id", "result", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    result: VerifyResponse
+    error: _common_pb2.CallError
+    def __init__(self, id: _Optional[int] = ..., result: _Optional[_Union[VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...

@@ -42,6 +42,11 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specmesh.v1.Verifier/VerifyStream',
+                request_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyStreamRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyStreamResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specmesh.v1.Verifier/Release',
                 request_serializer=specmesh_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -66,6 +71,16 @@ class VerifierServicer:
 
     def Verify(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyStream(self, request_iterator, context):
+        """The same calls over one long-lived stream (a gateway keeps one per replica):
+        each request carries an id its response repeats; calls of different
+        sessions run concurrently and answer in any order. Cheaper per call than a
+        unary RPC; gateways use it when they export no traces.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -96,6 +111,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
+                    request_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyStreamRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -142,6 +162,33 @@ class Verifier:
             '/specmesh.v1.Verifier/Verify',
             specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
             specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specmesh.v1.Verifier/VerifyStream',
+            specmesh_dot_v1_dot_verifier__pb2.VerifyStreamRequest.SerializeToString,
+            specmesh_dot_v1_dot_verifier__pb2.VerifyStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,141 @@
+"""The gateway's end of a replica's call stream (VerifyStream / DraftStream).
+
+One stream per replica carries every Draft, Speculate and Verify call the gateway makes
+to it (services/call_stream.py is the replica's end). A call writes its request with a
+fresh id and waits for the response with that id; one reader task hands responses to
+their callers. A call's own failure arrives as a ``CallError`` and is raised as the
+``grpc.aio.AioRpcError`` the unary RPC would have raised (resync trailer included), so
+gateway/clients.py classifies both alike. When the stream itself breaks (the replica
+died), every pending call fails with its status and the next call opens a new stream.
+A replica without the streaming RPC (an older version) answers UNIMPLEMENTED: the stream
+is marked unsupported and the caller uses unary calls from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+
+import grpc
+from grpc.aio import AioRpcError, Metadata
+
+from services.errors import RESYNC_KEY, RESYNC_VALUE
+
+
+class StreamUnsupported(Exception):
+    """The replica has no call stream: use unary calls."""
+
+
+def _error(code: grpc.StatusCode, details: str, resync: bool = False) -> AioRpcError:
+    trailing = Metadata((RESYNC_KEY, RESYNC_VALUE)) if resync else Metadata()
+    return AioRpcError(code, Metadata(), trailing, details)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _Empty:  # a response with neither a result nor an error (a broken replica)
+    code = grpc.StatusCode.INTERNAL.value[0]
+    message = "the replica answered a stream call with no result"
+    resync = False
+
+
+_EMPTY = _Empty()
+
+
+class CallStream:
+    """``open()`` starts the stream RPC; ``wrap(id, request)`` builds a stream request;
+    ``unwrap(response)`` returns (the call's response or None, its CallError or None)."""
+
+    def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall],
+                 wrap: Callable[[int, object], object],
+                 unwrap: Callable[[object], tuple[object | None, object | None]]) -> None:
+        self._open, self._wrap, self._unwrap = open_stream, wrap, unwrap
+        self._ids = itertools.count(1)
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self.supported = True
+
+    async def call(self, request, timeout: float):
+        """The response to ``request``; raises AioRpcError as a unary call would."""
+        if not self.supported:
+            raise StreamUnsupported()
+        if self._call is None:
+            self._call = self._open()
+            self._reader = asyncio.ensure_future(self._read(self._call))
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        try:
+            try:
+                await self._call.write(self._wrap(call_id, request))
+            except Exception:  # noqa: BLE001 - the stream broke: its reader fails this call
+                pass
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"no answer within {timeout:.1f} s") from None
+        finally:
+            self._pending.pop(call_id, None)
+
+    async def _read(self, stream: grpc.aio.StreamStreamCall) -> None:
+        failure: Exception = _error(grpc.StatusCode.UNAVAILABLE, "the call stream ended")
+        try:
+            async for message in stream:
+                response, error = self._unwrap(message)
+                future = self._pending.get(message.id)
+                if future is None or future.done():
+                    continue  # its caller gave up (timeout, cancelled)
+                if error is not None:
+                    future.set_exception(_error(
+                        _CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message,
+                        error.resync))
+                else:
+                    future.set_result(response)
+        except AioRpcError as exc:  # the stream itself ended: the replica is unreachable
+            failure = _error(grpc.StatusCode.UNAVAILABLE,
+                             f"the call stream broke ({exc.code().name}: {exc.details()})")
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.supported = False
+                failure = StreamUnsupported()
+        except asyncio.CancelledError:
+            failure = _error(grpc.StatusCode.CANCELLED, "the call stream was closed")
+        finally:
+            if self._call is stream:
+                self._call = None
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(failure)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._reader is not None:
+            self._reader.cancel()
+
+
+def replica_stream(kind: str, stub) -> CallStream:
+    """The call stream of a verifier's or a drafter's stub."""
+    from specmesh.v1 import drafter_pb2, verifier_pb2
+
+    def outcome(message) -> tuple[object | None, object | None]:
+        which = message.WhichOneof("outcome")
+        if which == "error":
+            return None, message.error
+        if which is None:
+            return None, _EMPTY
+        return getattr(message, which), None
+
+    if kind == "verifier":
+        return CallStream(stub.VerifyStream,
+                          lambda i, r: verifier_pb2.VerifyStreamRequest(id=i, call=r), outcome)
+
+    def wrap(i: int, request):
+        if isinstance(request, drafter_pb2.SpeculateRequest):
+            return drafter_pb2.DraftStreamRequest(id=i, speculate=request)
+        return drafter_pb2.DraftStreamRequest(id=i, draft=request)
+
+    return CallStream(stub.DraftStream, wrap, outcome)

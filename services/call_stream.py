@@ -1,0 +1,85 @@
+"""Serving a replica's unary calls over one long-lived bidirectional stream.
+
+A gateway makes two or three calls per round to each replica; as unary RPCs each one pays
+for a new call (headers, a handler task, trailers), about twice the CPU of a message on an
+open stream (docs/performance.md). ``VerifyStream`` and ``DraftStream`` carry the same
+requests, each with an id that its response repeats. Every request runs the servicer's own
+unary method (validation, telemetry, micro-batching: nothing is duplicated), concurrently
+with the others, and its response is written when it is ready, in any order. A call that
+fails answers with a ``CallError`` (the status the unary RPC would have ended with) and the
+stream goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from services.errors import RESYNC_KEY, RESYNC_VALUE
+from specmesh.v1 import common_pb2
+
+
+class CallAborted(grpc.aio.AbortError):
+    """One call on a stream ended with a status (raised by its context's ``abort``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple) -> None:
+        super().__init__(details)
+        self.code, self.details, self.trailing = code, details, trailing
+
+    def to_pb(self) -> common_pb2.CallError:
+        return common_pb2.CallError(code=self.code.value[0], message=self.details,
+                                    resync=(RESYNC_KEY, RESYNC_VALUE) in self.trailing)
+
+
+class CallContext:
+    """The part of a ``grpc.aio.ServicerContext`` a unary servicer method uses, for one call
+    on a stream: ``abort`` ends that call only."""
+
+    def __init__(self, stream_context) -> None:
+        self._stream = stream_context
+        self._trailing: tuple = ()
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self._trailing = tuple(metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
+        raise CallAborted(code, details, self._trailing or tuple(trailing_metadata))
+
+    def time_remaining(self) -> float | None:
+        return self._stream.time_remaining()
+
+    def invocation_metadata(self):
+        return self._stream.invocation_metadata()
+
+    def peer(self) -> str:
+        return self._stream.peer()
+
+
+async def serve_calls(requests: AsyncIterator, context,
+                      run: Callable[[object, CallContext], Awaitable[object]],
+                      reply: Callable[[int, object | None, common_pb2.CallError | None], object]
+                      ) -> None:
+    """Runs ``run(request, call_context)`` for each request of the stream, concurrently,
+    and writes ``reply(id, response, None)`` or ``reply(id, None, error)`` for each."""
+    write_lock = asyncio.Lock()
+    running: set[asyncio.Task] = set()
+
+    async def one(request) -> None:
+        try:
+            out = reply(request.id, await run(request, CallContext(context)), None)
+        except CallAborted as aborted:
+            out = reply(request.id, None, aborted.to_pb())
+        except Exception as exc:  # noqa: BLE001 - a call's failure must not end the stream
+            out = reply(request.id, None, common_pb2.CallError(
+                code=grpc.StatusCode.INTERNAL.value[0], message=f"internal error: {exc}"))
+        async with write_lock:  # one message at a time on the stream
+            await context.write(out)
+
+    async for request in requests:
+        task = asyncio.ensure_future(one(request))
+        running.add(task)
+        task.add_done_callback(running.discard)
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
