@@ -29,6 +29,8 @@ KILL_ORDER = ("gateway", "drafter-0", "verifier-0", "redis", "gateway-1", "draft
               "verifier-1")
 BACKOFF_S = 0.2  # after a failed attempt, before the next one
 REDIS_DOWN_S = 2.0  # Redis stays down this long before it is started again
+CUT_WAIT_S = 10.0  # a gateway is killed once a stream on it has chunks, waiting at most this
+GATEWAYS = ("gateway", "gateway-1")
 
 
 def tier(name: str) -> str:
@@ -61,6 +63,7 @@ class ChaosRecord:
     transient: Counter = field(default_factory=Counter)  # status codes that were retried
     error: str = ""  # why it did not complete (lost), or a broken stream
     latency_s: float = 0.0
+    gateway: int = -1  # the gateway of the attempt under way (-1: none)
 
     @property
     def completed(self) -> bool:
@@ -86,7 +89,7 @@ class ChaosMesh:
 
     @property
     def gateways(self) -> list[str]:
-        return [self.mesh.proc(n).address for n in ("gateway", "gateway-1")]
+        return [self.mesh.proc(n).address for n in GATEWAYS]
 
     def pids(self) -> dict[str, int]:
         return {"redis": self.redis.popen.pid, **{p.name: p.popen.pid for p in self.mesh.procs}}
@@ -157,15 +160,17 @@ def _attempt(client, request, rec: ChaosRecord, expect_offset: int | None, timeo
 
 
 def chaos_request(clients: list, first: int, prompt_index: int, prompt: str,
-                  opts: ChaosOptions, abort: threading.Event | None = None) -> ChaosRecord:
+                  opts: ChaosOptions, abort: threading.Event | None = None,
+                  on_start: Callable[[ChaosRecord], None] = lambda rec: None) -> ChaosRecord:
     """One greedy request that resumes or retries as documented until it completes or its
     deadline passes. ``clients``: a GatewayClient per gateway; ``first``: which to try first;
-    ``abort`` set: give up at once (Ctrl-C)."""
+    ``abort`` set: give up at once (Ctrl-C); ``on_start`` gets the record as it begins."""
     import grpc
 
     from specmesh.client import build_request
 
     rec = ChaosRecord(prompt_index)
+    on_start(rec)
     start = time.monotonic()
     deadline = start + opts.request_timeout_s
     gateway, base = first, [0]
@@ -185,6 +190,7 @@ def chaos_request(clients: list, first: int, prompt_index: int, prompt: str,
         else:
             rec.tokens, rec.session_id = [], ""
             request = build_request(prompt, max_new_tokens=opts.max_new_tokens)
+        rec.gateway = gateway
         try:
             _attempt(clients[gateway], request, rec,
                      base[0] + len(rec.tokens) if resuming else None, left, base)
@@ -203,6 +209,7 @@ def chaos_request(clients: list, first: int, prompt_index: int, prompt: str,
             gateway = 1 - gateway  # the other gateway: this one may be the one killed
             abort.wait(BACKOFF_S)
     rec.latency_s = time.monotonic() - start
+    rec.gateway = -1
     return rec
 
 
@@ -222,14 +229,19 @@ def reference_outputs(address: str, prompts: tuple[str, ...], max_new_tokens: in
 
 
 def kill_in_turn(cmesh: ChaosMesh, opts: ChaosOptions, until: float, kills: list[KillRecord],
-                 stop: threading.Event, t0: float) -> None:
+                 stop: threading.Event, t0: float,
+                 ready: Callable[[str], bool] = lambda name: True) -> None:
     """SIGKILLs the processes of KILL_ORDER one at a time, each started again (and SERVING)
-    before the next, until ``until`` or ``opts.cycles`` full rounds."""
+    before the next, until ``until`` or ``opts.cycles`` full rounds. A kill waits (up to
+    CUT_WAIT_S) until ``ready(name)``: a gateway is killed while it streams to a client."""
     for n, name in enumerate(itertools.cycle(KILL_ORDER)):
         if opts.cycles and n >= opts.cycles * len(KILL_ORDER):
             break
         if stop.wait(opts.pause_s) or time.monotonic() >= until:
             break
+        give_up = time.monotonic() + CUT_WAIT_S
+        while not ready(name) and time.monotonic() < give_up and not stop.is_set():
+            time.sleep(0.005)
         at = time.monotonic()
         cmesh.kill(name)
         if name == "redis":
@@ -251,6 +263,15 @@ def run_chaos(cmesh: ChaosMesh, prompts: tuple[str, ...], opts: ChaosOptions,
     kills: list[KillRecord] = []
     lock, stop, abort = threading.Lock(), threading.Event(), threading.Event()
     channels: list = []
+    current: dict[int, ChaosRecord] = {}  # stream -> its request under way
+
+    def streaming(name: str) -> bool:
+        """Whether a stream on gateway ``name`` has received chunks and is not done."""
+        if name not in GATEWAYS:
+            return True
+        g = GATEWAYS.index(name)
+        return any(r.gateway == g and r.tokens and not r.completed and not r.error
+                   for r in list(current.values()))
     t0 = time.monotonic()
     addresses = cmesh.gateways
 
@@ -262,7 +283,8 @@ def run_chaos(cmesh: ChaosMesh, prompts: tuple[str, ...], opts: ChaosOptions,
         try:
             while not stop.is_set():
                 index = rng.randrange(len(prompts))
-                rec = chaos_request(clients, i % 2, index, prompts[index], opts, abort)
+                rec = chaos_request(clients, i % 2, index, prompts[index], opts, abort,
+                                    lambda r: current.__setitem__(i, r))
                 with lock:
                     records.append(rec)
         finally:
@@ -276,7 +298,7 @@ def run_chaos(cmesh: ChaosMesh, prompts: tuple[str, ...], opts: ChaosOptions,
     failure: BaseException | None = None
     failures: list[BaseException] = []
     killer = threading.Thread(target=_guard, daemon=True, name="chaos-kills", args=(
-        lambda: kill_in_turn(cmesh, opts, t0 + opts.duration_s, kills, stop, t0),
+        lambda: kill_in_turn(cmesh, opts, t0 + opts.duration_s, kills, stop, t0, streaming),
         failures.append))
     killer.start()
     try:
