@@ -18,6 +18,7 @@ from tests.conftest import hf_greedy
 
 MAX_NEW_TOKENS = 24
 FINISH_LENGTH, FINISH_EOS = 1, 2
+SLOW_S = 20.0  # no request may take this long (see the end of the chaos test)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,9 @@ def test_streams_survive_every_tier_and_redis_killed_in_turn(tiny_pair, hf_refer
 
     assert [k.name for k in kills] == list(KILL_ORDER), report["kill_log"]
     assert report["kills"] == {"gateway": 2, "drafter": 2, "verifier": 2, "redis": 1}
-    assert report["lost"] == 0, report["lost_details"]
+    lost = [(r.error, r.prompt_index, len(r.tokens), r.resumes, r.retries, dict(r.transient),
+             round(r.latency_s, 1)) for r in records if not r.completed]
+    assert report["lost"] == 0, (lost, report["kill_log"])
     for r in records:
         assert (r.tokens, r.finish) == hf_reference[r.prompt_index], (
             r.prompt_index, r.resumes, r.retries, dict(r.transient))
@@ -58,6 +61,13 @@ def test_streams_survive_every_tier_and_redis_killed_in_turn(tiny_pair, hf_refer
     # gateway by resume_from, not by sending the request again.
     assert report["requests_resumed"] >= 1, report
     assert report["tokens_total"] == sum(len(r.tokens) for r in records)
+    # No request waits for a restart (there is always a second replica): the longest wait a
+    # client should see is a resume behind the dead gateway's lease (<= 5 s) or Redis down
+    # (2 s). Internal calls time out after 30 s, so a request this slow met a replica call
+    # that got no answer instead of failing over.
+    slowest = max(records, key=lambda r: r.latency_s)
+    assert slowest.latency_s < SLOW_S, (slowest.latency_s, dict(slowest.transient),
+                                        report["kill_log"])
 
 
 def test_load_chaos_starts_its_own_mesh():
