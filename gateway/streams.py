@@ -56,29 +56,50 @@ class CallStream:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task | None = None
         self._pending: dict[int, asyncio.Future] = {}
+        self._write_lock = asyncio.Lock()
         self.supported = True
 
     async def call(self, request, timeout: float):
         """The response to ``request``; raises AioRpcError as a unary call would."""
         if not self.supported:
             raise StreamUnsupported()
-        if self._call is None:
-            self._call = self._open()
-            self._reader = asyncio.ensure_future(self._read(self._call))
         call_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._pending[call_id] = future
+        deadline = loop.time() + timeout
         try:
-            try:
-                await self._call.write(self._wrap(call_id, request))
-            except Exception:  # noqa: BLE001 - the stream broke: its reader fails this call
-                pass
-            return await asyncio.wait_for(future, timeout)
+            # One write at a time: gRPC fails a write issued while another is in flight.
+            async with self._write_lock:
+                if self._call is None:
+                    self._call = self._open()
+                    self._reader = asyncio.ensure_future(self._read(self._call))
+                stream = self._call
+                try:
+                    await asyncio.wait_for(stream.write(self._wrap(call_id, request)),
+                                           max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the stream is broken: drop it
+                    await self._broken(stream, exc)
+            return await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
         except TimeoutError:
             raise _error(grpc.StatusCode.DEADLINE_EXCEEDED,
                          f"no answer within {timeout:.1f} s") from None
         finally:
             self._pending.pop(call_id, None)
+
+    async def _broken(self, stream: grpc.aio.StreamStreamCall, exc: Exception) -> None:
+        """A write failed: the stream is unusable. Raises what the unary call would have:
+        StreamUnsupported when the replica has no such RPC, else UNAVAILABLE (the next call
+        opens a new stream; the reader fails the other calls still pending on this one)."""
+        if self._call is stream:
+            self._call = None
+        if stream.done() and await stream.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.supported = False
+            raise StreamUnsupported() from exc
+        stream.cancel()
+        raise _error(grpc.StatusCode.UNAVAILABLE, f"the call stream broke: {exc}") from exc
 
     async def _read(self, stream: grpc.aio.StreamStreamCall) -> None:
         failure: Exception = _error(grpc.StatusCode.UNAVAILABLE, "the call stream ended")

@@ -123,7 +123,7 @@ def test_concurrent_calls_of_many_sessions_share_one_stream(mesh, prompt):
     async def main():
         verifiers, _ = _pools(mesh, streams=True)
         v = _one(verifiers)
-        cuts = list(range(4)) * 3  # each session offers the first `cut` greedy tokens
+        cuts = list(range(4)) * 10  # each session offers the first `cut` greedy tokens
         results = await asyncio.gather(*(
             clients.verify(v, _verify_call(_sid(), ids, greedy[:cut] + [greedy[cut] + 1]), 30)
             for cut in cuts))
