@@ -208,7 +208,7 @@ def gateway(
     spec_fanout: Annotated[int, typer.Option(
         envvar="SPECMESH_SPEC_FANOUT", min=1, max=64,
         help="Most branches (outcomes) the speculation cache drafts per round, shared by "
-             "the calls a drafter serves at once.")] = 4,
+             "the calls a drafter serves at once.")] = 8,
     max_support: Annotated[int, typer.Option(envvar="SPECMESH_MAX_SUPPORT",
                                              help="Largest sparse-q support per position.")] = 32,
     default_max_new_tokens: Annotated[int, typer.Option(
