@@ -34,6 +34,7 @@ from specmesh import bench_baselines, bench_report
 from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, model_info
 from specmesh.bench_machine import count_params, machine_info
 from specmesh.bench_modes import HF_KEYS, MODE_KEYS, TARGET_KEY, Mode, hf_threads, make_modes
+from specmesh.up_cli import default_pair
 
 
 @dataclass
@@ -276,10 +277,8 @@ def bench(
     chosen = load_prompts(prompt_file or PROMPTS_PATH, prompts)
     mode_list = make_modes(keys, k)
     if not addr and not target:
-        from specmesh.cli import _default_pair
-
         with err.status("finding the demo model pair"):
-            target, drafter = _default_pair()
+            target, drafter = default_pair()
     hf_pair = (target, drafter) if target else None
     notes = bench_report.hf_notes(keys, hf_pair is not None, threads, os.cpu_count(),
                                   remote=bool(addr))

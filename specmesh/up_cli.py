@@ -17,7 +17,7 @@ import typer
 from specmesh.model_ref import check_loadable, model_reference
 
 
-def _default_pair() -> tuple[str, str]:
+def default_pair() -> tuple[str, str]:
     """The demo pair shipped in models/ (docs/models.md); without it (an install that did not
     copy models/), a tiny random-weight pair that exercises the mesh but writes gibberish."""
     from services.local_mesh import default_cache_dir
@@ -138,7 +138,7 @@ def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, re
             check_loadable(draft, "--draft")
     else:
         with console.status("finding the demo model pair"):
-            target, draft = _default_pair()
+            target, draft = default_pair()
     with console.status("checking that draft and target share a vocabulary"):
         _check_vocabularies(target, draft)
     spec = MeshSpec(target=target, draft=draft, port=port, drafters=drafters,
