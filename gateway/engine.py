@@ -10,7 +10,6 @@ unreachable the tokens stay pending and the stream goes on (see _save).
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import secrets
 import time
@@ -23,6 +22,7 @@ from opentelemetry import trace
 
 from gateway import clients
 from gateway.adaptive import AdaptiveK
+from gateway.chunks import Chunk, Finish, TargetLimits, Usage
 from gateway.clients import ReplicaFailed
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.draft_length import DraftLength
@@ -33,7 +33,7 @@ from gateway.telemetry import RequestTelemetry
 from gateway.turns import TurnRecord, resumed_spec
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, PermissionDenied, Unavailable
-from services.messages import TokenLogprobs, check_token_ids
+from services.messages import check_token_ids
 from services.metrics import GatewayMetrics
 from services.session_store import SessionHandle, SessionStore
 
@@ -44,45 +44,6 @@ _START_ONE = {"ngram": ": start one (`specmesh drafter --kind ngram`, listed in 
                        "--drafters; a local mesh: `specmesh up --ngram-drafters 1`)",
               "model": ": start one (`specmesh drafter --model DRAFT`, listed in the gateway's "
                        "--drafters; a local mesh: `specmesh up --drafters 1`)"}
-
-
-class Finish(enum.Enum):
-    LENGTH = 1
-    EOS = 2
-    STOP = 3
-    CONTEXT = 4
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-
-
-@dataclass
-class Chunk:
-    text: str
-    token_ids: list[int]
-    session_id: str
-    finish: Finish | None = None
-    usage: Usage | None = None
-    offset: int = 0  # session position of the first token
-    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when the request asked for them
-
-
-@dataclass(frozen=True)
-class TargetLimits:
-    """What the gateway needs to know of the target, from the verifiers' ModelInfo."""
-
-    vocab_size: int
-    max_context: int
-    eos_token_ids: frozenset[int]
-    fingerprint: str
-    model: str = ""
-    max_draft_tokens: int = 64  # the smallest limit of the drafters and verifiers
 
 
 @dataclass

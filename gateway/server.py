@@ -10,7 +10,8 @@ import time
 
 from gateway import clients
 from gateway.auth import Authenticator
-from gateway.engine import GenerationEngine, TargetLimits
+from gateway.chunks import TargetLimits
+from gateway.engine import GenerationEngine
 from gateway.replicas import ReplicaPool
 from gateway.servicer import GatewayServicer
 from services.config import GatewayConfig, redact_url

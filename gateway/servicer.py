@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from gateway.auth import Authenticator
-from gateway.engine import Chunk, Finish, GenerationEngine, Usage
+from gateway.chunks import Chunk, Finish, Usage
+from gateway.engine import GenerationEngine
 from gateway.requests import spec_from_request
 from services.config import GatewayConfig
 from services.errors import grpc_errors

@@ -14,7 +14,8 @@ from gateway.rounds import RoundResult
 from services.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from gateway.engine import Finish, _Request
+    from gateway.chunks import Finish
+    from gateway.engine import _Request
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from opentelemetry import trace
 from starlette.exceptions import HTTPException
 
 from gateway.auth import Authenticator
-from gateway.engine import Chunk, GenerationEngine
+from gateway.chunks import Chunk
+from gateway.engine import GenerationEngine
 from gateway.http.chat import has_template, render_chat, validate_messages
 from gateway.http.errors import ApiError, from_exception
 from gateway.http.observe import Observe

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from gateway.engine import Chunk, Finish, Usage
+from gateway.chunks import Chunk, Finish, Usage
 
 # EOS and a stop string end the text as OpenAI's "stop"; max_tokens and a full context
 # window as "length".
