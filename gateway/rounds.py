@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
+
 from gateway import clients
 from gateway.clients import ReplicaFailed
 from gateway.replicas import ReplicaPool
@@ -236,10 +238,11 @@ class RoundRunner:
         return min(self.config.rpc_timeout_s, remaining)
 
     async def _on_replica(self, h: SessionHandle, pool: ReplicaPool, role: str, call,
-                          kind: str = ""):
+                          kind: str = "", deadline: Callable[[], float | None] = lambda: None):
         """Runs ``call(replica, base_len)`` on the replica holding the session's cache (role
         "drafter" or "verifier"), resyncing from base 0 when asked; a failed replica is marked
-        down and the next one tried from scratch. None when no replica could answer."""
+        down and the next one tried from scratch. None when no replica could answer. A call
+        cut short by the request's own deadline is the request's failure, not the replica's."""
         holder, valid = getattr(h, role), getattr(h, f"{role}_len")
         tried: set[str] = set()
         while (replica := pool.pick(holder, frozenset(tried), kind)) is not None:
@@ -250,6 +253,11 @@ class RoundRunner:
                 except ResyncRequired:
                     result = await call(replica, 0)
             except (ReplicaFailed, ResyncRequired) as exc:
+                left = deadline()
+                if (isinstance(exc, ReplicaFailed) and left is not None and left < 0.05
+                        and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise DeadlineExceeded(
+                        "the request's deadline passed before it finished") from exc
                 log.warning("%s %s failed for session %s (%s); trying another", role,
                             replica.address, h.session_id, exc)
                 pool.mark_down(replica)
@@ -270,7 +278,7 @@ class RoundRunner:
                 cache=delta, num_tokens=k, params=params, seed=seed,
                 max_support=self.config.max_support), self._timeout(deadline))
 
-        result = await self._on_replica(h, self.drafters, "drafter", call, kind)
+        result = await self._on_replica(h, self.drafters, "drafter", call, kind, deadline)
         if result is None:
             log.warning("no drafter reachable: session %s runs this round without drafts",
                         h.session_id)
@@ -289,7 +297,7 @@ class RoundRunner:
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
                 params=params, seed=seed, logprobs=logprobs), self._timeout(deadline))
 
-        result = await self._on_replica(h, self.verifiers, "verifier", call)
+        result = await self._on_replica(h, self.verifiers, "verifier", call, deadline=deadline)
         if result is None:
             raise Unavailable(f"no verifier replica could serve the request (of "
                               f"{len(self.verifiers)} configured): retry later")
