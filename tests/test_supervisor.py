@@ -61,8 +61,8 @@ def test_a_signal_during_start_up_stops_everything_started(tmp_path, pair, sig):
         children = _wait_for_children(up, ("redis-server", " verifier ", " drafter "), 120)
         assert list(temp.glob("specmesh-*")), "no temporary folder while starting"
         up.send_signal(sig)
-        code = up.wait(60)
-        err = up.stderr.read()
+        _, err = up.communicate(timeout=60)  # drains stderr while waiting
+        code = up.returncode
         assert "SpecMesh is up" not in err, "the signal came too late to test the start-up"
         assert code == 128 + sig, err
         assert "during start-up" in err, err
@@ -94,8 +94,10 @@ def test_sigterm_on_load_stops_the_mesh_it_started(tmp_path, phase):
         if phase == "running":
             _wait_serving_gateway(children)
         load.send_signal(signal.SIGTERM)
-        code = load.wait(60)
-        err = load.stderr.read()
+        # communicate drains stderr while waiting: a progress bar filling the pipe would
+        # otherwise block the process and look like a hang
+        _, err = load.communicate(timeout=60)
+        code = load.returncode
         assert code == 130, err
         assert "interrupted" in err and "Traceback" not in err, err
         time.sleep(0.2)
