@@ -122,7 +122,8 @@ class LeanLlama(torch.nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def _mask(self, batch: int, m: int, past: int, attention_mask, device) -> torch.Tensor | None:
+    @staticmethod
+    def _mask(m: int, past: int, attention_mask, device) -> torch.Tensor | None:
         """[B, 1, m, past+m] bool (True = may attend), or None for one query and no padding."""
         if attention_mask is None and m == 1:
             return None
@@ -147,7 +148,7 @@ class LeanLlama(torch.nn.Module):
         x = self.hf.model.embed_tokens(input_ids)  # [B, m, h]
         cos, sin = self.hf.model.rotary_emb(x, position_ids)  # [B, m, D]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, m, D]
-        mask = self._mask(B, m, past, attention_mask, x.device)
+        mask = self._mask(m, past, attention_mask, x.device)
         for i, w in enumerate(self._layers):
             h = self._rms(x, w.ln1)
             q, k, v = F.linear(h, w.qkv).split([H * D, KV * D, KV * D], dim=-1)

@@ -41,21 +41,20 @@ class VerifierEngine(ModelEngine):
             check_token_ids(call.draft_ids, self.runner.meta.vocab_size, "draft_token_ids")
             ids = torch.tensor(call.draft_ids, dtype=torch.long)  # [k]
             return SparseDraft(token_ids=ids, q_ids=ids[:, None], q_probs=torch.ones(k, 1))
-        else:
-            if len(call.q_ids) != k or len(call.q_probs) != k:
+        if len(call.q_ids) != k or len(call.q_probs) != k:
+            raise InvalidArgument(
+                f"sampling needs one draft distribution per draft token: got {len(call.q_ids)} "
+                f"for {k} tokens")
+        width = max((len(ids) for ids in call.q_ids), default=1)
+        q_ids = torch.zeros(k, width, dtype=torch.long)  # [k, S]
+        q_probs = torch.zeros(k, width)  # [k, S]
+        for i, (ids, probs) in enumerate(zip(call.q_ids, call.q_probs, strict=True)):
+            if len(ids) != len(probs) or not ids:
                 raise InvalidArgument(
-                    f"sampling needs one draft distribution per draft token: got {len(call.q_ids)} "
-                    f"for {k} tokens")
-            width = max((len(ids) for ids in call.q_ids), default=1)
-            q_ids = torch.zeros(k, width, dtype=torch.long)  # [k, S]
-            q_probs = torch.zeros(k, width)  # [k, S]
-            for i, (ids, probs) in enumerate(zip(call.q_ids, call.q_probs, strict=True)):
-                if len(ids) != len(probs) or not ids:
-                    raise InvalidArgument(
-                        f"draft distribution {i} needs as many probs as token ids (and at least "
-                        "one)")
-                q_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                q_probs[i, : len(probs)] = torch.tensor(probs, dtype=torch.float32)
+                    f"draft distribution {i} needs as many probs as token ids (and at least "
+                    "one)")
+            q_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            q_probs[i, : len(probs)] = torch.tensor(probs, dtype=torch.float32)
         draft = SparseDraft(token_ids=torch.tensor(call.draft_ids, dtype=torch.long),
                             q_ids=q_ids, q_probs=q_probs)
         try:
