@@ -21,37 +21,41 @@ import grpc
 from grpc.aio import AioRpcError, Metadata
 
 from services.errors import RESYNC_KEY, RESYNC_VALUE
+from specmesh.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
 class StreamUnsupported(Exception):
     """The replica has no call stream: use unary calls."""
 
 
-def _error(code: grpc.StatusCode, details: str, resync: bool = False) -> AioRpcError:
+def rpc_error(code: grpc.StatusCode, details: str, resync: bool = False) -> AioRpcError:
+    """The error a unary RPC ending with ``code`` raises (with the resync trailer when asked)."""
     trailing = Metadata((RESYNC_KEY, RESYNC_VALUE)) if resync else Metadata()
     return AioRpcError(code, Metadata(), trailing, details)
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_NO_OUTCOME = common_pb2.CallError(code=grpc.StatusCode.INTERNAL.value[0],
+                                   message="the replica answered a stream call with no result")
 
 
-class _Empty:  # a response with neither a result nor an error (a broken replica)
-    code = grpc.StatusCode.INTERNAL.value[0]
-    message = "the replica answered a stream call with no result"
-    resync = False
-
-
-_EMPTY = _Empty()
+def _outcome(message) -> tuple[object | None, common_pb2.CallError | None]:
+    """(the call's response, None) or (None, its CallError) of a stream response; both kinds
+    of response carry them in a oneof named ``outcome``."""
+    which = message.WhichOneof("outcome")
+    if which is None:
+        return None, _NO_OUTCOME
+    if which == "error":
+        return None, message.error
+    return getattr(message, which), None
 
 
 class CallStream:
-    """``open()`` starts the stream RPC; ``wrap(id, request)`` builds a stream request;
-    ``unwrap(response)`` returns (the call's response or None, its CallError or None)."""
+    """``open()`` starts the stream RPC; ``wrap(id, request)`` builds a stream request."""
 
     def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall],
-                 wrap: Callable[[int, object], object],
-                 unwrap: Callable[[object], tuple[object | None, object | None]]) -> None:
-        self._open, self._wrap, self._unwrap = open_stream, wrap, unwrap
+                 wrap: Callable[[int, object], object]) -> None:
+        self._open, self._wrap = open_stream, wrap
         self._ids = itertools.count(1)
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task | None = None
@@ -84,7 +88,7 @@ class CallStream:
                     await self._broken(stream, exc)
             return await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
         except TimeoutError:
-            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                          f"no answer within {timeout:.1f} s") from None
         finally:
             self._pending.pop(call_id, None)
@@ -99,30 +103,30 @@ class CallStream:
             self.supported = False
             raise StreamUnsupported() from exc
         stream.cancel()
-        raise _error(grpc.StatusCode.UNAVAILABLE, f"the call stream broke: {exc}") from exc
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the call stream broke: {exc}") from exc
 
     async def _read(self, stream: grpc.aio.StreamStreamCall) -> None:
-        failure: Exception = _error(grpc.StatusCode.UNAVAILABLE, "the call stream ended")
+        failure: Exception = rpc_error(grpc.StatusCode.UNAVAILABLE, "the call stream ended")
         try:
             async for message in stream:
-                response, error = self._unwrap(message)
+                response, error = _outcome(message)
                 future = self._pending.get(message.id)
                 if future is None or future.done():
                     continue  # its caller gave up (timeout, cancelled)
                 if error is not None:
-                    future.set_exception(_error(
+                    future.set_exception(rpc_error(
                         _CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message,
                         error.resync))
                 else:
                     future.set_result(response)
         except AioRpcError as exc:  # the stream itself ended: the replica is unreachable
-            failure = _error(grpc.StatusCode.UNAVAILABLE,
+            failure = rpc_error(grpc.StatusCode.UNAVAILABLE,
                              f"the call stream broke ({exc.code().name}: {exc.details()})")
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.supported = False
                 failure = StreamUnsupported()
         except asyncio.CancelledError:
-            failure = _error(grpc.StatusCode.CANCELLED, "the call stream was closed")
+            failure = rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
         finally:
             if self._call is stream:
                 self._call = None
@@ -140,23 +144,13 @@ class CallStream:
 
 def replica_stream(kind: str, stub) -> CallStream:
     """The call stream of a verifier's or a drafter's stub."""
-    from specmesh.v1 import drafter_pb2, verifier_pb2
-
-    def outcome(message) -> tuple[object | None, object | None]:
-        which = message.WhichOneof("outcome")
-        if which == "error":
-            return None, message.error
-        if which is None:
-            return None, _EMPTY
-        return getattr(message, which), None
-
     if kind == "verifier":
         return CallStream(stub.VerifyStream,
-                          lambda i, r: verifier_pb2.VerifyStreamRequest(id=i, call=r), outcome)
+                          lambda i, r: verifier_pb2.VerifyStreamRequest(id=i, call=r))
 
     def wrap(i: int, request):
         if isinstance(request, drafter_pb2.SpeculateRequest):
             return drafter_pb2.DraftStreamRequest(id=i, speculate=request)
         return drafter_pb2.DraftStreamRequest(id=i, draft=request)
 
-    return CallStream(stub.DraftStream, wrap, outcome)
+    return CallStream(stub.DraftStream, wrap)

@@ -7,8 +7,9 @@ rule), with two substitutions that make a round cost microseconds instead of pro
 * ``TableLM``: a "model" whose logits come from fixed tables,
   ``logits(t_i | history) = A[t_i] + B[t_{i-1}]``, so a wrong cache (a missing or extra
   token) changes the logits; its KV cache stores the token ids themselves;
-* ``InProcessStub``: calls a servicer's method directly instead of over a socket; a status
-  the servicer aborts with comes back as the ``grpc.aio.AioRpcError`` a channel would raise.
+* ``InProcessStub``: calls a servicer's method directly instead of over a socket, with the
+  per-call context of a call stream; a status the servicer aborts with comes back as the
+  ``grpc.aio.AioRpcError`` a channel would raise.
 
 The reference outputs come from the tables alone (``greedy_chain``), never from the code
 under test. Tests of the round loop's decisions use this; the process-level tests
@@ -19,15 +20,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import grpc
 import torch
-from grpc.aio import AioRpcError, Metadata
 from opentelemetry import metrics
 
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.server import DrafterServicer
 from gateway.replicas import Replica, ReplicaPool
 from gateway.rounds import RoundRunner, commit_round
+from gateway.streams import rpc_error
+from services.call_stream import CallAborted, CallContext
 from services.config import GatewayConfig, ServerConfig
 from services.convert import meta_to_pb
 from services.kv_cache import SessionCaches
@@ -86,23 +87,6 @@ def greedy_chain(lm: TableLM, prompt: list[int], n: int) -> list[int]:
     return out[len(prompt):]
 
 
-class _Context:
-    """What a servicer method uses of a grpc.aio.ServicerContext."""
-
-    def __init__(self) -> None:
-        self._trailing: tuple = ()
-
-    def set_trailing_metadata(self, metadata) -> None:
-        self._trailing = tuple(metadata)
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
-        raise AioRpcError(code, Metadata(), Metadata(*(self._trailing or trailing_metadata)),
-                          details)
-
-    def time_remaining(self):
-        return None
-
-
 class InProcessStub:
     """A stub whose RPCs call ``servicer``'s methods in this process."""
 
@@ -115,7 +99,11 @@ class InProcessStub:
 
         async def call(request, timeout=None):
             self.calls[method] = self.calls.get(method, 0) + 1
-            return await handler(request, _Context())
+            try:  # a call's own context, as on a call stream (services/call_stream.py)
+                return await handler(request, CallContext(None))
+            except CallAborted as aborted:  # raised as a channel would raise it
+                error = aborted.to_pb()
+                raise rpc_error(aborted.code, aborted.details, error.resync) from None
 
         return call
 

@@ -112,7 +112,9 @@ def test_a_drafter_that_lost_the_session_is_resynced_and_output_is_unchanged():
         if len(evicted) < 1 and len(h.tokens) > len(PROMPT) + 20:
             evicted.append(harness.drafter.caches.release("s1"))
 
-    h, _ = _run(harness, 60, on_round=evict)
+    h, rounds = _run(harness, 60, on_round=evict)
     assert evicted == [True]
     assert h.tokens[len(PROMPT):][:60] == greedy_chain(target, PROMPT, 60)
     assert harness.drafter.caches.resyncs_requested >= 1
+    # a resync, not a replica failure: every round still has its drafts
+    assert all(r.drafted for r in rounds)
