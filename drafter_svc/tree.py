@@ -37,20 +37,24 @@ def guess_distribution(logits: torch.Tensor, call: SpeculateCall) -> torch.Tenso
     return warp_logits(logits, call.params)
 
 
-def _batch_cache(model, kv, lengths: list[int], new_cache) -> tuple[object, int]:
+def batch_cache(kv, lengths: list[int], room: int, new_cache) -> tuple[object, int]:
     """A batch cache whose row b holds the first lengths[b] positions of ``kv`` (a batch-1
-    cache), left-padded to the longest: (cache, padded length)."""
+    cache), left-padded with zeros to the longest: (cache, padded length). A SlabCache gets
+    ``room`` free positions after them, so the steps that follow append without a copy."""
     batch = new_cache()
     longest = max(lengths)
-    for layer in range(model.config.num_hidden_layers):
-        lay = kv.layers[layer]
-        keys, values = lay.keys, lay.values  # [1, H, L, D]
-        shape = (len(lengths), keys.shape[1], longest, keys.shape[3])
-        bk, bv = keys.new_zeros(shape), values.new_zeros(shape)  # [B, H, longest, D]
-        for b, n in enumerate(lengths):
-            bk[b, :, longest - n:] = keys[0, :, :n]
-            bv[b, :, longest - n:] = values[0, :, :n]
-        batch.update(bk, bv, layer)
+    extra = room if isinstance(batch, SlabCache) else 0
+    for layer, source in enumerate(kv.layers):
+        padded = []
+        for held in (source.keys, source.values):  # [1, H, L, D]
+            rows = held.new_zeros(len(lengths), held.shape[1], longest + extra, held.shape[3])
+            for b, n in enumerate(lengths):
+                rows[b, :, longest - n:longest] = held[0, :, :n]
+            padded.append(rows)  # [B, H, longest + extra, D]
+        if extra:
+            batch.layers[layer].adopt(*padded, length=longest)
+        else:
+            batch.update(*padded, layer)
     return batch, longest
 
 
@@ -68,10 +72,7 @@ def draft_tree(model, entry: SessionCache, new_tokens: list[int], call: Speculat
     plan = plan_branches(drafts, guess_distribution(logits, call), call.acceptance,
                          call.max_branches, call.coverage)
     lengths = [committed + j for j, _, _ in plan]
-    if isinstance(entry.kv, SlabCache):  # the lean forward's: written in place, with room
-        cache, longest = SlabCache.left_padded(entry.kv, lengths, steps)
-    else:
-        cache, longest = _batch_cache(model, entry.kv, lengths, new_cache)
+    cache, longest = batch_cache(entry.kv, lengths, steps, new_cache)
     rows = len(plan)
     feed = torch.tensor([[t] for _, t, _ in plan], dtype=torch.long)  # [B, 1]
     mask = torch.zeros(rows, longest, dtype=torch.long)  # [B, longest] 1 = real key

@@ -39,6 +39,10 @@ class SlabLayer:
     def capacity(self) -> int:
         return 0 if self._keys is None else self._keys.shape[2]
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Takes [B, KV, capacity, D] buffers whose first ``length`` positions are live."""
+        self._keys, self._values, self.length = keys, values, length
+
     def update(self, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes [B, KV, n, D] new positions after the live ones; returns all live ones."""
@@ -70,23 +74,6 @@ class SlabCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length
-
-    @classmethod
-    def left_padded(cls, kv: SlabCache, lengths: list[int], room: int) -> tuple[SlabCache, int]:
-        """A batch cache whose row b holds the first lengths[b] positions of the batch-1
-        cache ``kv``, left-padded with zeros to the longest, with ``room`` free positions
-        after it (so the steps that follow copy nothing): (cache, padded length)."""
-        longest = max(lengths)
-        batch = cls(len(kv.layers), chunk=max(1, room))
-        for layer, source in zip(batch.layers, kv.layers, strict=True):
-            keys, values = source.keys, source.values  # [1, KV, L, D]
-            shape = (len(lengths), keys.shape[1], longest + room, keys.shape[3])
-            layer._keys, layer._values = keys.new_zeros(shape), values.new_zeros(shape)
-            for b, n in enumerate(lengths):
-                layer._keys[b, :, longest - n:longest] = keys[0, :, :n]
-                layer._values[b, :, longest - n:longest] = values[0, :, :n]
-            layer.length = longest
-        return batch, longest
 
     def crop(self, max_length: int) -> None:
         """Keeps ``max_length`` positions, or drops the last ``-max_length`` when negative."""
