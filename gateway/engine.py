@@ -110,11 +110,12 @@ class GenerationEngine:
                 raise
             finally:
                 span.end()
-                await self._finish(req.handle, req.owner, free_caches=not completed)
-                if completed and not req.handle.keep:
-                    # The replicas' caches of a finished session are freed after the
-                    # response, not before it (the session itself is gone from Redis).
-                    self._in_background(self._free_caches(req.handle))
+                await self._end_session(req.handle, req.owner)
+                if not req.handle.keep:
+                    if completed:  # its caches are freed after the response, not before it
+                        self._in_background(self._free_caches(req.handle))
+                    else:
+                        await self._free_caches(req.handle)
         finally:
             self._inflight -= 1
             self.metrics.active.add(-1)
@@ -213,20 +214,18 @@ class GenerationEngine:
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
 
-    async def _finish(self, h: SessionHandle, owner: str, free_caches: bool = True) -> None:
-        """A kept session gives up its lease; any other is deleted (and its caches freed,
-        unless the caller does that later)."""
+    async def _end_session(self, h: SessionHandle, owner: str) -> None:
+        """A kept session gives up its lease; any other is deleted from the store."""
         try:
             if h.keep:
                 await self.store.release(h.session_id, owner)
-                return
-            await self.store.delete(h.session_id)
+            else:
+                await self.store.delete(h.session_id)
         except Unavailable as exc:
             log.warning("could not finish session %s: %s", h.session_id, exc)
-        if free_caches:
-            await self._free_caches(h)
 
     async def _free_caches(self, h: SessionHandle) -> None:
+        """Releases a deleted session's caches on the replicas that hold them."""
         for pool, address in ((self.verifiers, h.verifier), (self.drafters, h.drafter)):
             replica = pool.replicas.get(address)
             if replica is not None:
@@ -421,5 +420,6 @@ class GenerationEngine:
         owner = uuid.uuid4().hex
         await self.store.acquire(session_id, owner)
         handle.keep = False
-        await self._finish(handle, owner)
+        await self._end_session(handle, owner)
+        await self._free_caches(handle)
         return len(handle.tokens)
