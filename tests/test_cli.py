@@ -125,3 +125,26 @@ def test_service_commands_reject_bad_configuration(args, message):
     result = subprocess.run([*SPECMESH, *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_service_options_default_to_their_config_defaults():
+    """Each option of `gateway`, `drafter` and `verifier` that names a config field defaults to
+    that field's default, so a default changed in services/config.py cannot silently differ
+    on the command line (the drafter's --device cpu is the one deliberate exception)."""
+    import dataclasses
+    import inspect
+
+    from services.config import GatewayConfig, ModelServiceConfig
+    from specmesh import cli
+
+    deliberate = {("drafter", "device")}
+    checked = 0
+    for command, config in ((cli.gateway, GatewayConfig), (cli.drafter, ModelServiceConfig),
+                            (cli.verifier, ModelServiceConfig)):
+        defaults = {f.name: f.default for f in dataclasses.fields(config)
+                    if f.default is not dataclasses.MISSING and not isinstance(f.default, tuple)}
+        for name, param in inspect.signature(command).parameters.items():
+            if name in defaults and (command.__name__, name) not in deliberate:
+                assert param.default == defaults[name], (command.__name__, name)
+                checked += 1
+    assert checked >= 25
