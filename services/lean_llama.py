@@ -89,7 +89,6 @@ class LeanLlama(torch.nn.Module):
             raise ValueError(f"the lean forward does not support this model: {reason}")
         self.hf = model
         self.config = model.config
-        self.generation_config = getattr(model, "generation_config", None)
         c = model.config
         self._heads = c.num_attention_heads
         self._kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -103,9 +102,6 @@ class LeanLlama(torch.nn.Module):
                 ln1=layer.input_layernorm.weight, qkv=_fuse(a.q_proj, a.k_proj, a.v_proj),
                 o=a.o_proj.weight, ln2=layer.post_attention_layernorm.weight,
                 gate_up=_fuse(mlp.gate_proj, mlp.up_proj), down=mlp.down_proj.weight))
-
-    def get_output_embeddings(self):
-        return self.hf.get_output_embeddings()
 
     def new_cache(self) -> SlabCache:
         """An empty KV cache for this model, written in place (services/kv_slab.py)."""
