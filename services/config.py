@@ -120,12 +120,13 @@ class ModelServiceConfig:
     kv_budget_mb: int = 0  # KV cache memory budget; 0 = bounded by max_sessions only
     redis_url: str = ""  # register in this Redis (gateways with --discovery redis find it)
     advertise: str = ""  # address gateways should dial; "" = host:port (hostname for 0.0.0.0)
-    forward: str = "auto"  # "auto": the lean forward where supported; "hf": transformers'
+    forward: str = "auto"  # "auto": the lean forward (prepacked weights on a CPU) where
+    #                        supported; "lean": without prepacking; "hf": transformers'
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
-        _require(self.forward in ("auto", "hf"),
-                 f"forward must be auto or hf, got {self.forward!r}")
+        _require(self.forward in ("auto", "lean", "hf"),
+                 f"forward must be auto, lean or hf, got {self.forward!r}")
         _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
                  f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _require(self.dtype in ("float32", "float16", "bfloat16"),

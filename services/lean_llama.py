@@ -21,6 +21,15 @@ The fused weights are one tensor each whose slices replace the HF modules' weigh
 no second copy, and the state dict, hence the model's fingerprint, is unchanged). Whatever
 this module does not support falls back to the HF forward (``lean_forward`` says which).
 The tests check its logits against HF's, alone and batched with padding.
+
+On a CPU with float32 weights the projections and the LM head are also prepacked once for
+oneDNN (``pack=True``, the ``auto`` mode). PyTorch's own ``linear`` repacks the weight on
+every call with more than one row, so a pass over 4 tokens cost 1.6-1.8x a pass over one on
+these machines; with prepacked weights it costs about the same as one (docs/performance.md,
+"Prepacked weights"). The packed copies take the projections' memory a second time, and the
+kernels sum in another order: logits differ from transformers' by ~1e-5 (within the tests'
+bound), about as much as PyTorch's own results for a position differ between a pass over one
+row and one over four. ``pack=False`` (the ``lean`` mode) runs PyTorch's ``linear``.
 """
 
 from __future__ import annotations
@@ -49,14 +58,47 @@ def unsupported_reason(model) -> str:
     return ""
 
 
+def packing_unavailable(weight: torch.Tensor) -> str:
+    """Why ``weight`` cannot be prepacked for oneDNN ("" when it can)."""
+    if weight.device.type != "cpu":
+        return f"weights on {weight.device.type}, not the CPU"
+    if weight.dtype != torch.float32:
+        return f"{weight.dtype} weights"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch has no oneDNN"
+    try:
+        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 - present in this build?
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return "this PyTorch lacks oneDNN's prepacked linear"
+    return ""
+
+
+class _Linear:
+    """x @ W.T for one weight [out, in]: PyTorch's ``linear``, or oneDNN's on a copy of W
+    packed once (see the module docstring)."""
+
+    __slots__ = ("weight", "packed")
+
+    def __init__(self, weight: torch.Tensor, pack: bool) -> None:
+        self.weight = weight
+        # the row count is a blocking hint; the kernel serves any number of rows
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if pack else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
 @dataclass(frozen=True)
 class _Layer:
     ln1: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 KV) D, h]
-    o: torch.Tensor
+    qkv: _Linear  # [(H + 2 KV) D, h]
+    o: _Linear
     ln2: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, h]
-    down: torch.Tensor
+    gate_up: _Linear  # [2 I, h]
+    down: _Linear
 
 
 @dataclass
@@ -80,9 +122,11 @@ class LeanLlama(torch.nn.Module):
     """Wraps a loaded ``LlamaForCausalLM``; call it like the HF model with ``input_ids``,
     ``position_ids``, ``past_key_values`` (``new_cache()`` or a transformers ``Cache``: only
     its ``update`` and ``get_seq_length`` are used), ``attention_mask``
-    (2-D, 1 = real key, covering past and new positions) and ``logits_to_keep``."""
+    (2-D, 1 = real key, covering past and new positions; or 4-D [B, 1, m, keys], True = may
+    attend, used as given) and ``logits_to_keep``. ``pack``: prepack the weights for oneDNN
+    where ``packing_unavailable`` allows it."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, pack: bool = False) -> None:
         super().__init__()
         reason = unsupported_reason(model)
         if reason:
@@ -95,13 +139,17 @@ class LeanLlama(torch.nn.Module):
         self._head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._inter = c.intermediate_size
         self._eps = c.rms_norm_eps
+        self.packed = pack and not packing_unavailable(model.lm_head.weight)
         self._layers = []
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             self._layers.append(_Layer(
-                ln1=layer.input_layernorm.weight, qkv=_fuse(a.q_proj, a.k_proj, a.v_proj),
-                o=a.o_proj.weight, ln2=layer.post_attention_layernorm.weight,
-                gate_up=_fuse(mlp.gate_proj, mlp.up_proj), down=mlp.down_proj.weight))
+                ln1=layer.input_layernorm.weight,
+                qkv=_Linear(_fuse(a.q_proj, a.k_proj, a.v_proj), self.packed),
+                o=_Linear(a.o_proj.weight, self.packed), ln2=layer.post_attention_layernorm.weight,
+                gate_up=_Linear(_fuse(mlp.gate_proj, mlp.up_proj), self.packed),
+                down=_Linear(mlp.down_proj.weight, self.packed)))
+        self._lm_head = _Linear(model.lm_head.weight, self.packed)
 
     def new_cache(self) -> SlabCache:
         """An empty KV cache for this model, written in place (services/kv_slab.py)."""
@@ -121,6 +169,8 @@ class LeanLlama(torch.nn.Module):
     @staticmethod
     def _mask(m: int, past: int, attention_mask, device) -> torch.Tensor | None:
         """[B, 1, m, past+m] bool (True = may attend), or None for one query and no padding."""
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return attention_mask.to(device=device, dtype=torch.bool)
         if attention_mask is None and m == 1:
             return None
         keys = past + m
@@ -147,7 +197,7 @@ class LeanLlama(torch.nn.Module):
         mask = self._mask(m, past, attention_mask, x.device)
         for i, w in enumerate(self._layers):
             h = self._rms(x, w.ln1)
-            q, k, v = F.linear(h, w.qkv).split([H * D, KV * D, KV * D], dim=-1)
+            q, k, v = w.qkv(h).split([H * D, KV * D, KV * D], dim=-1)
             q = q.view(B, m, H, D).transpose(1, 2)  # [B, H, m, D]
             k = k.view(B, m, KV, D).transpose(1, 2)  # [B, KV, m, D]
             v = v.view(B, m, KV, D).transpose(1, 2)
@@ -155,21 +205,25 @@ class LeanLlama(torch.nn.Module):
             k = k * cos + self._rotate_half(k) * sin
             k, v = past_key_values.update(k, v, i)  # [B, KV, past+m, D]
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KV != H)
-            x = x + F.linear(attn.transpose(1, 2).reshape(B, m, H * D), w.o)
+            x = x + w.o(attn.transpose(1, 2).reshape(B, m, H * D))
             h = self._rms(x, w.ln2)
-            gate, up = F.linear(h, w.gate_up).split([self._inter, self._inter], dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
+            gate, up = w.gate_up(h).split([self._inter, self._inter], dim=-1)
+            x = x + w.down(F.silu(gate) * up)
         keep = m if not logits_to_keep else min(logits_to_keep, m)
         x = self._rms(x[:, -keep:], self.hf.model.norm.weight)
-        return LeanOutput(logits=self.hf.lm_head(x))  # [B, keep, V]
+        return LeanOutput(logits=self._lm_head(x))  # [B, keep, V]
+
+
+FORWARD_MODES = ("auto", "lean", "hf")
 
 
 def lean_forward(model, mode: str):
-    """The model a replica runs: ``mode`` "auto" wraps supported models in LeanLlama, "hf"
-    keeps transformers' forward. Returns (model, the reason it was not wrapped or "")."""
-    if mode not in ("auto", "hf"):
-        raise ValueError(f"forward must be auto or hf, got {mode!r}")
+    """The model a replica runs: ``mode`` "auto" wraps supported models in LeanLlama with
+    prepacked weights where they can be, "lean" without them, "hf" keeps transformers'
+    forward. Returns (model, the reason it was not wrapped or "")."""
+    if mode not in FORWARD_MODES:
+        raise ValueError(f"forward must be one of {', '.join(FORWARD_MODES)}, got {mode!r}")
     if mode == "hf":
         return model, "--forward hf"
     reason = unsupported_reason(model)
-    return (model, reason) if reason else (LeanLlama(model), "")
+    return (model, reason) if reason else (LeanLlama(model, pack=mode == "auto"), "")

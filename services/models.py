@@ -68,8 +68,8 @@ def describe(name: str, model, tokenizer) -> ModelMeta:
 def load_for_serving(path: str, device_name: str, dtype: str, threads: int,
                      forward: str = "auto"):
     """Loads model and tokenizer, runs one warm-up forward; returns (model, meta, device).
-    ``forward`` "auto" runs supported models with the lean forward (services/lean_llama.py),
-    "hf" with transformers' own."""
+    ``forward`` "auto" runs supported models with the lean forward (services/lean_llama.py)
+    and, on a CPU, prepacked weights; "lean" without prepacking; "hf" with transformers'."""
     from services.lean_llama import lean_forward
 
     if threads > 0:
@@ -80,7 +80,8 @@ def load_for_serving(path: str, device_name: str, dtype: str, threads: int,
     meta = describe(path, model, tokenizer)
     model, why_not = lean_forward(model, forward)
     log.info("%s runs with %s", path, f"transformers' forward ({why_not})" if why_not
-             else "the lean forward")
+             else "the lean forward" + (" and prepacked weights"
+                                        if getattr(model, "packed", False) else ""))
     with torch.inference_mode():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
     log.info("loaded %s on %s: vocab %d, context %d, fingerprint %s", path, device,

