@@ -122,8 +122,8 @@ class LeanLlama(torch.nn.Module):
     """Wraps a loaded ``LlamaForCausalLM``; call it like the HF model with ``input_ids``,
     ``position_ids``, ``past_key_values`` (``new_cache()`` or a transformers ``Cache``: only
     its ``update`` and ``get_seq_length`` are used), ``attention_mask``
-    (2-D, 1 = real key, covering past and new positions; or 4-D [B, 1, m, keys], True = may
-    attend, used as given) and ``logits_to_keep``. ``pack``: prepack the weights for oneDNN
+    (2-D, 1 = real key, covering past and new positions; or 4-D [B, 1, m, keys] as SDPA takes
+    it, used as given) and ``logits_to_keep``. ``pack``: prepack the weights for oneDNN
     where ``packing_unavailable`` allows it."""
 
     def __init__(self, model, pack: bool = False) -> None:
@@ -168,9 +168,10 @@ class LeanLlama(torch.nn.Module):
 
     @staticmethod
     def _mask(m: int, past: int, attention_mask, device) -> torch.Tensor | None:
-        """[B, 1, m, past+m] bool (True = may attend), or None for one query and no padding."""
+        """[B, 1, m, past+m] bool (True = may attend), or None for one query and no padding;
+        a 4-D mask is the caller's own (the drafter's tree)."""
         if attention_mask is not None and attention_mask.dim() == 4:
-            return attention_mask.to(device=device, dtype=torch.bool)
+            return attention_mask.to(device)  # as SDPA takes it: bool, or added to the scores
         if attention_mask is None and m == 1:
             return None
         keys = past + m

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from drafter_svc.tree import batch_cache
+from drafter_svc.tree import tree_visibility
 from services.batching import Row, forward_one, forward_rows
 from services.kv_slab import SlabCache
 from services.lean_llama import (
@@ -161,34 +161,10 @@ def test_slab_cache_writes_in_place_and_rolls_back_by_length():
     assert cache.get_seq_length() == 2 and layer.keys.shape == (1, 2, 2, 3)
 
 
-def test_left_padded_batch_cache_rows_and_room():
-    """The drafter's tree batch: row b holds the first lengths[b] positions at the right,
-    zeros before them, and the steps after it write into the room without a copy."""
-    cache = SlabCache(num_layers=2, chunk=4)
-    for layer in range(2):
-        ids = torch.arange(1.0, 7.0).view(1, 1, 6, 1) * (layer + 1)  # [1, KV=1, 6, D=1]
-        cache.update(ids, -ids, layer)
-    batch, longest = batch_cache(cache, [6, 4, 5], 3, lambda: SlabCache(num_layers=2))
-    assert longest == 6 and batch.get_seq_length() == 6
-    keys = batch.layers[1].keys[:, 0, :, 0]
-    assert keys.tolist() == [[2, 4, 6, 8, 10, 12], [0, 0, 2, 4, 6, 8], [0, 2, 4, 6, 8, 10]]
-    assert batch.layers[0].values[2, 0, :, 0].tolist() == [0, -1, -2, -3, -4, -5]
-    buffer = batch.layers[0]._keys.data_ptr()
-    for _ in range(3):
-        batch.update(torch.ones(3, 1, 1, 1), torch.ones(3, 1, 1, 1), 0)
-    assert batch.layers[0]._keys.data_ptr() == buffer and batch.get_seq_length() == 9
-
-
-def test_left_padded_batch_cache_from_transformers_caches(tiny_pair):
-    """The same batch from an HF DynamicCache (--forward hf): the same rows, no room."""
-    config = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).config
-    source = DynamicCache(config=config)
-    for layer in range(config.num_hidden_layers):
-        ids = torch.arange(1.0, 7.0).view(1, 1, 6, 1) * (layer + 1)  # [1, KV=1, 6, D=1]
-        source.update(ids, -ids, layer)
-    batch, longest = batch_cache(source, [6, 4, 5], 3, lambda: DynamicCache(config=config))
-    assert longest == 6 and batch.get_seq_length() == 6
-    n = config.num_hidden_layers  # the last layer's keys are n times 1..6
-    keys = batch.layers[n - 1].keys[:, 0, :, 0] / n
-    assert keys.tolist() == [[1, 2, 3, 4, 5, 6], [0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]]
-    assert batch.layers[0].values[2, 0, :, 0].tolist() == [0, -1, -2, -3, -4, -5]
+def test_tree_visibility_is_each_branch_prefix_and_its_own_tokens():
+    """The drafter's tree mask: 5 cached positions (2 committed, 3 drafts), branches after
+    0, 3 and 1 accepted drafts, 2 steps: each sees its prefix, then one column per step."""
+    visible = tree_visibility([2, 5, 3], held=5, steps=2).int().tolist()
+    assert visible == [[1, 1, 0, 0, 0, 1, 0, 0, 1, 0, 0],
+                       [1, 1, 1, 1, 1, 0, 1, 0, 0, 1, 0],
+                       [1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 1]]

@@ -78,12 +78,17 @@ def test_batched_sparse_sampling_draws_what_the_per_row_sampler_draws():
     assert all(ids == [t] and q == [1.0] for t, ids, q in greedy)
 
 
-@pytest.fixture(scope="module")
-def drafter(tiny_pair):
+@pytest.fixture(scope="module", params=["hf", "auto"])
+def drafter(request, tiny_pair):
+    """The tiny drafter with transformers' forward and cache, and with the lean forward
+    (prepacked weights, in-place cache): the tree's 4-D mask must mean the same to both."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.lean_llama import lean_forward
 
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).eval()
     meta = describe(tiny_pair[1], model, AutoTokenizer.from_pretrained(tiny_pair[1]))
+    model, _ = lean_forward(model, request.param)
     runner = ModelRunner(model, meta, torch.device("cpu"), max_queue=64, max_batch=16)
     return DrafterEngine(runner, SessionCaches(64, runner.new_kv), max_draft_tokens=16)
 
