@@ -74,8 +74,9 @@ def draft_tree(model, entry: SessionCache, new_tokens: list[int], call: Speculat
                          call.max_branches, call.coverage)
     B = len(plan)
     lengths = [held - k + j for j, _, _ in plan]  # [B] cached positions each branch sees
-    # additive (0 / -inf): SDPA, HF's eager attention and the lean forward all take it as is
-    dtype = next(model.parameters()).dtype
+    # additive (0 / -inf), in the cache's dtype: SDPA, HF's eager attention and the lean
+    # forward all take it as is
+    dtype = entry.kv.layers[0].keys.dtype
     blocked = torch.zeros(B, held + B * steps, dtype=dtype).masked_fill_(
         ~tree_visibility(lengths, held, steps), float("-inf")).to(device)
     positions = torch.tensor(lengths, dtype=torch.long, device=device)[None]  # [1, B]

@@ -33,6 +33,15 @@ class SoloJob:
         self.passes = passes  # forward passes it makes, for the stats
 
 
+def _no_stop_iteration(fn, *args):
+    """Runs ``fn``; a StopIteration it raises becomes a RuntimeError, which an asyncio future
+    can carry (it refuses a StopIteration, and the call awaiting it would never return)."""
+    try:
+        return fn(*args)
+    except StopIteration as exc:
+        raise RuntimeError(f"the model thread's job raised StopIteration: {exc!r}") from exc
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, meta: ModelMeta, device: torch.device,
                  max_queue: int, max_batch: int = 16) -> None:
@@ -122,7 +131,8 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self._executor, job.run, self.model, self.device, self.new_kv)
+                self._executor, _no_stop_iteration, job.run, self.model, self.device,
+                self.new_kv)
         except Exception as exc:  # noqa: BLE001 - the job's own failure, reported to its caller
             if not future.done():
                 future.set_exception(exc)

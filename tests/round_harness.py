@@ -62,11 +62,27 @@ class TableLM(torch.nn.Module):
         prev = (past_key_values.layers[0].keys[:, 0, -1, 0].long() if past
                 else torch.zeros(batch, dtype=torch.long))  # [B] last cached token
         before = torch.cat([prev[:, None], input_ids[:, :-1]], dim=1)  # [B, m]
-        logits = self.a[input_ids] + self.b[before]  # [B, m, V]
         ids = input_ids[:, None, :, None].float()  # [B, 1, m, 1]: the cache holds the ids
-        past_key_values.update(ids, ids, 0)
+        keys, _ = past_key_values.update(ids, ids, 0)
+        if attention_mask is not None and attention_mask.dim() == 4:  # the drafter's tree
+            before = self._visible_before(keys[:, 0, :, 0].long(), attention_mask, past)
+        logits = self.a[input_ids] + self.b[before]  # [B, m, V]
         keep = logits_to_keep or m
         return SimpleNamespace(logits=logits[:, -keep:])
+
+    @staticmethod
+    def _visible_before(keys: torch.Tensor, mask: torch.Tensor, past: int) -> torch.Tensor:
+        """[B, m]: for each query, the token of the last key it may see before its own
+        position (0 if none); ``mask`` [B, 1, m, keys] is bool or additive (0 = may see)."""
+        allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [B, m, keys]
+        batch, m, _ = allowed.shape
+        out = torch.zeros(batch, m, dtype=torch.long)
+        for b in range(batch):
+            for i in range(m):
+                seen = allowed[b, i, : past + i].nonzero()
+                if len(seen):
+                    out[b, i] = keys[b, seen[-1, 0]]
+        return out
 
 
 def tables(vocab: int, seed: int, noise: float) -> tuple[TableLM, TableLM]:
