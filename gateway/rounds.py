@@ -105,6 +105,11 @@ class RoundResult:
         return list(self.drafted[: self.num_accepted]) + [self.extra_token]
 
 
+def fanout_share(fanout: int, busy: int) -> int:
+    """The branches one speculation call gets while its drafter serves ``busy`` other calls."""
+    return fanout // (1 + busy) ** 2
+
+
 def commit_round(h: SessionHandle, r: RoundResult, kept: list[int]) -> None:
     """Appends the round's ``kept`` tokens (its proposed ones, possibly cut by a stop) to the
     handle and moves each replica's cursor: how many committed tokens its cache holds. The
@@ -194,11 +199,13 @@ class RoundRunner:
             logprobs=result.logprobs)
 
     def _fanout(self, replica) -> int:
-        """Branches to ask for: the configured fan-out shared by the calls the drafter is
-        serving for this gateway now; 0 (no speculation) once it serves as many calls as
-        the fan-out: then the drafter is the bottleneck and branches would only queue."""
+        """Branches to ask for: the configured fan-out when the drafter is idle, divided by
+        (1 + b)² while it serves b other calls for this gateway, and 0 (no speculation) once
+        that leaves none. A tree is optional work that queues ahead of other sessions' draft
+        calls, which are on their rounds' critical paths; at 8 streams a fan-out shared
+        linearly (÷ (1 + b)) gave 232-268 tokens/s and this rule 295 (docs/performance.md)."""
         busy = replica.inflight + replica.load.get("queue_depth", 0)
-        return 0 if busy >= self.config.spec_fanout else self.config.spec_fanout // (1 + busy)
+        return fanout_share(self.config.spec_fanout, busy)
 
     async def _speculate(self, h: SessionHandle, params: SamplingParams, drafted: DraftResult,
                          valid: int, k: int, seed: int, acceptance: float,

@@ -206,7 +206,7 @@ class GatewayConfig:
     replica_retry_s: float = 2.0
     default_drafter_kind: str = "model"
     pipeline: bool = True  # speculation cache: draft round r+1 while round r is being verified
-    spec_fanout: int = 8  # most branches of the speculation cache per round
+    spec_fanout: int = 16  # most branches of the speculation cache per round
     discovery: str = "static"  # or "kubernetes": follow the EndpointSlices of two Services
     namespace: str = "default"
     drafter_service: str = ""

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
+from gateway.rounds import fanout_share
+from services.model_runner import ModelRunner
 from services.params import SamplingParams
 from tests.round_harness import Harness, greedy_chain, tables
 
@@ -118,3 +121,30 @@ def test_a_drafter_that_lost_the_session_is_resynced_and_output_is_unchanged():
     assert harness.drafter.caches.resyncs_requested >= 1
     # a resync, not a replica failure: every round still has its drafts
     assert all(r.drafted for r in rounds)
+
+
+def test_a_busy_drafter_gets_quadratically_fewer_branches_then_none():
+    """Fan-out ÷ (1 + b)² while the drafter serves b other calls: a tree is optional work that
+    would queue ahead of other sessions' critical-path draft calls."""
+    assert [fanout_share(16, busy) for busy in range(6)] == [16, 4, 1, 1, 0, 0]
+    assert [fanout_share(8, busy) for busy in range(4)] == [8, 2, 0, 0]
+    assert fanout_share(1, 0) == 1 and fanout_share(1, 1) == 0
+
+
+def test_a_solo_job_raising_stop_iteration_fails_its_call_instead_of_hanging_the_runner():
+    """asyncio futures refuse a StopIteration (e.g. ``next()`` on an empty iterator in a
+    model's code): the runner turns it into a RuntimeError, so the call fails, and the next
+    job still runs."""
+    from services.model_runner import SoloJob
+    from tests.round_harness import _meta
+
+    target, _ = tables(8, 0, 0.0)
+    runner = ModelRunner(target, _meta(target, "t"), torch.device("cpu"), max_queue=4)
+
+    async def body():
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            await asyncio.wait_for(runner.submit(SoloJob(lambda *_: next(iter(())), 1)), 10)
+        result, _, _ = await asyncio.wait_for(runner.submit(SoloJob(lambda *_: 7, 1)), 10)
+        return result
+
+    assert asyncio.run(body()) == 7
