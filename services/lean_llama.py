@@ -26,10 +26,10 @@ On a CPU with float32 weights the projections and the LM head are also prepacked
 oneDNN (``pack=True``, the ``auto`` mode). PyTorch's own ``linear`` repacks the weight on
 every call with more than one row, so a pass over 4 tokens cost 1.6-1.8x a pass over one on
 these machines; with prepacked weights it costs about the same as one (docs/performance.md,
-"Prepacked weights"). The packed copies take the projections' memory a second time, and the
-kernels sum in another order: logits differ from transformers' by ~1e-5 (within the tests'
-bound), about as much as PyTorch's own results for a position differ between a pass over one
-row and one over four. ``pack=False`` (the ``lean`` mode) runs PyTorch's ``linear``.
+"Issue #14, third session"). The packed copies take the projections' memory a second time,
+and the kernels sum in another order: logits differ from transformers' by ~1e-5 (within the
+tests' bound), about as much as PyTorch's own results for a position differ between a pass
+over one row and one over four. ``pack=False`` (the ``lean`` mode) runs PyTorch's ``linear``.
 """
 
 from __future__ import annotations
