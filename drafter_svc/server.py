@@ -7,7 +7,7 @@ from opentelemetry import trace
 
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.ngram import NgramDrafterEngine
-from services.call_stream import serve_calls
+from services.call_stream import Drain, serve_calls
 from services.config import ModelServiceConfig
 from services.convert import (
     draft_call_from_pb,
@@ -24,9 +24,11 @@ from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 
 class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine | NgramDrafterEngine, metrics) -> None:
+    def __init__(self, engine: DrafterEngine | NgramDrafterEngine, metrics,
+                 drain: Drain | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.drain = drain  # set once the server stops: calls on open streams are refused
 
     @grpc_errors
     async def Draft(self, request, context):
@@ -64,7 +66,7 @@ class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
                 return drafter_pb2.DraftStreamResponse(id=call_id, speculate=result)
             return drafter_pb2.DraftStreamResponse(id=call_id, draft=result)
 
-        await serve_calls(requests, context, run_call, reply)
+        await serve_calls(requests, context, run_call, reply, self.drain)
 
 
 def build_engine(config: ModelServiceConfig) -> DrafterEngine | NgramDrafterEngine:
@@ -79,8 +81,9 @@ def build_engine(config: ModelServiceConfig) -> DrafterEngine | NgramDrafterEngi
 def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
     telemetry = setup(telemetry_config)
     engine = build_engine(config)
-    servicer = DrafterServicer(engine, build_metrics(telemetry, "drafter", engine, config))
+    drain = Drain()
+    servicer = DrafterServicer(engine, build_metrics(telemetry, "drafter", engine, config), drain)
     name = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
     run_service(config, telemetry, engine,
                 lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),
-                name, "drafter")
+                name, "drafter", drain)

@@ -8,6 +8,11 @@ unary method (validation, telemetry, micro-batching: nothing is duplicated), con
 with the others, and its response is written when it is ready, in any order. A call that
 fails answers with a ``CallError`` (the status the unary RPC would have ended with) and the
 stream goes on.
+
+Once the replica begins its graceful stop (``Drain``), a call arriving on an open stream is
+refused with UNAVAILABLE, as the stopping server refuses a new unary call: the gateway goes to
+another replica at once instead of being served here until the grace period ends. Calls
+already running finish.
 """
 
 from __future__ import annotations
@@ -19,6 +24,21 @@ import grpc
 
 from services.errors import RESYNC_KEY, RESYNC_VALUE
 from specmesh.v1 import common_pb2
+
+
+class Drain:
+    """Whether this server has begun its graceful stop (``services.server.serve`` starts it)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+
+    def start(self) -> None:
+        self.draining = True
+
+
+_DRAINING = common_pb2.CallError(
+    code=grpc.StatusCode.UNAVAILABLE.value[0],
+    message="this replica is shutting down: send the call to another replica")
 
 
 class CallAborted(grpc.aio.AbortError):
@@ -59,16 +79,20 @@ class CallContext:
 
 async def serve_calls(requests: AsyncIterator, context,
                       run: Callable[[object, CallContext], Awaitable[object]],
-                      reply: Callable[[int, object | None, common_pb2.CallError | None], object]
-                      ) -> None:
+                      reply: Callable[[int, object | None, common_pb2.CallError | None], object],
+                      drain: Drain | None = None) -> None:
     """Runs ``run(request, call_context)`` for each request of the stream, concurrently,
-    and writes ``reply(id, response, None)`` or ``reply(id, None, error)`` for each."""
+    and writes ``reply(id, response, None)`` or ``reply(id, None, error)`` for each; while
+    ``drain`` is draining, answers each new request with UNAVAILABLE instead."""
     write_lock = asyncio.Lock()
     running: set[asyncio.Task] = set()
 
     async def one(request) -> None:
         try:
-            out = reply(request.id, await run(request, CallContext(context)), None)
+            if drain is not None and drain.draining:
+                out = reply(request.id, None, _DRAINING)
+            else:
+                out = reply(request.id, await run(request, CallContext(context)), None)
         except CallAborted as aborted:
             out = reply(request.id, None, aborted.to_pb())
         except Exception as exc:  # noqa: BLE001 - a call's failure must not end the stream

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
+from services.call_stream import Drain
 from services.config import ModelServiceConfig
 from services.convert import meta_to_pb, stats_to_pb
 from services.errors import InvalidArgument, ResyncRequired, grpc_errors
@@ -112,7 +113,8 @@ def replica_load(engine, config: ModelServiceConfig) -> dict:
 
 
 def run_service(config: ModelServiceConfig, telemetry: Telemetry, engine,
-                register: Callable, service_name: str, role: str) -> None:
+                register: Callable, service_name: str, role: str,
+                drain: Drain | None = None) -> None:
     registration = None
 
     def on_started(port: int) -> None:
@@ -134,5 +136,5 @@ def run_service(config: ModelServiceConfig, telemetry: Telemetry, engine,
 
     asyncio.run(serve(config.server, register, [service_name], on_started=on_started,
                       on_stop=on_stop, interceptors=telemetry.server_interceptors(),
-                      require_client_cert=True))
+                      require_client_cert=True, drain=drain))
 

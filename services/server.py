@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from services.call_stream import Drain
 from services.config import ServerConfig
 from services.decode_guard import DecodeGuard
 from services.tls import server_credentials
@@ -28,12 +29,14 @@ async def serve(
     interceptors: list | None = None,
     require_client_cert: bool = False,
     on_health: Callable[[HealthServicer], None] | None = None,
+    drain: Drain | None = None,
 ) -> None:
     """Runs a server until SIGTERM/SIGINT; reports SERVING once it listens.
 
     Callers load and warm their models *before* calling this, so SERVING means
     ready. On a signal: health goes NOT_SERVING, in-flight calls get
-    ``config.grace_s`` to finish, then ``on_stop`` closes clients.
+    ``config.grace_s`` to finish, then ``on_stop`` closes clients. ``drain`` starts with the
+    stop, so calls on open call streams are refused like new RPCs (services/call_stream.py).
 
     With ``config.tls`` the port speaks only TLS (mTLS when ``require_client_cert`` and a
     CA is configured); ``config.health_port`` adds a plaintext port that serves nothing but
@@ -81,6 +84,8 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: draining for %.1f s", config.grace_s)
+    if drain is not None:
+        drain.start()
     await health.enter_graceful_shutdown()
     await server.stop(config.grace_s)
     if probe is not None:

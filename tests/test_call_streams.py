@@ -60,6 +60,26 @@ def _sid() -> str:
     return f"cs-{uuid.uuid4().hex}"
 
 
+def _private_verifier(model: str, port: int) -> subprocess.Popen:
+    """A verifier process of this test's own, SERVING on ``port``."""
+    proc = subprocess.Popen([sys.executable, "-m", "specmesh.cli", "verifier", "--host",
+                             "127.0.0.1", "--port", str(port), "--model", model, "--threads",
+                             "1", "--log-format", "text"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert wait_serving(f"127.0.0.1:{port}", 120, alive=lambda: proc.poll() is None)
+    return proc
+
+
+async def _pool_with_one_stream_call(port: int, ids: list[int], greedy: list[int]):
+    """A streaming pool of the verifier on ``port`` and its replica, after one call on the
+    stream that accepted all three of the target's own tokens."""
+    pool = ReplicaPool("verifier", (f"127.0.0.1:{port}",), 1.0, [], streams=True)
+    v = _one(pool)
+    r = await clients.verify(v, _verify_call(_sid(), ids, greedy[:3]), 30)
+    assert r.num_accepted == 3
+    return pool, v
+
+
 def test_stream_calls_answer_like_the_target_and_like_unary_calls(mesh, prompt):
     ids, greedy = prompt
 
@@ -140,21 +160,14 @@ def test_a_killed_replica_fails_its_stream_and_a_restarted_one_gets_a_new_stream
     timeout); after a restart on the same port the next call opens a new stream."""
     ids, greedy = prompt
     port = free_port()
-    argv = [sys.executable, "-m", "specmesh.cli", "verifier", "--host", "127.0.0.1", "--port",
-            str(port), "--model", tiny_pair[0], "--threads", "1", "--log-format", "text"]
 
     def start():
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        assert wait_serving(f"127.0.0.1:{port}", 120, alive=lambda: proc.poll() is None)
-        return proc
+        return _private_verifier(tiny_pair[0], port)
 
     proc = start()
     try:
         async def main():
-            pool = ReplicaPool("verifier", (f"127.0.0.1:{port}",), 1.0, [], streams=True)
-            v = _one(pool)
-            r = await clients.verify(v, _verify_call(_sid(), ids, greedy[:3]), 30)
-            assert r.num_accepted == 3
+            pool, v = await _pool_with_one_stream_call(port, ids, greedy)
             first = v.stream._call
             proc.kill()
             proc.wait()
@@ -215,3 +228,32 @@ def test_a_replica_without_call_streams_gets_unary_calls(mesh, prompt):
         await upstream.close()
 
     asyncio.run(main())
+
+
+def test_a_stopping_replica_refuses_calls_on_open_streams_at_once(tiny_pair, prompt):
+    """SIGTERM starts a replica's graceful stop (5 s of grace for running calls). A call
+    that arrives on an already open stream after that is refused with UNAVAILABLE, as a new
+    unary call would be, so the gateway goes to another replica now instead of being served
+    by this one until the grace period ends."""
+    ids, greedy = prompt
+    port = free_port()
+    proc = _private_verifier(tiny_pair[0], port)
+    try:
+        async def main():
+            pool, v = await _pool_with_one_stream_call(port, ids, greedy)
+            stream = v.stream._call
+            proc.terminate()
+            await asyncio.sleep(0.5)  # the signal is handled; the grace period has begun
+            assert proc.poll() is None  # still draining: the open stream keeps it up
+            with pytest.raises(clients.ReplicaFailed) as refused:
+                await clients.verify(v, _verify_call(_sid(), ids, greedy[:3]), 30)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in str(refused.value)
+            assert v.stream._call is stream  # it came back on the open stream
+            await pool.close()
+
+        asyncio.run(main())
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from services.call_stream import serve_calls
+from services.call_stream import Drain, serve_calls
 from services.config import ModelServiceConfig
 from services.convert import verify_call_from_pb, verify_result_to_pb
 from services.errors import grpc_errors
@@ -15,9 +15,10 @@ from verifier_svc.engine import VerifierEngine
 
 
 class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine, metrics) -> None:
+    def __init__(self, engine: VerifierEngine, metrics, drain: Drain | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.drain = drain  # set once the server stops: calls on open streams are refused
 
     @grpc_errors
     async def Verify(self, request, context):
@@ -38,15 +39,18 @@ class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
                 return verifier_pb2.VerifyStreamResponse(id=call_id, error=error)
             return verifier_pb2.VerifyStreamResponse(id=call_id, result=result)
 
-        await serve_calls(requests, context, lambda r, ctx: self.Verify(r.call, ctx), reply)
+        await serve_calls(requests, context, lambda r, ctx: self.Verify(r.call, ctx), reply,
+                          self.drain)
 
 
 def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
     telemetry = setup(telemetry_config)
     runner, caches = build_parts(config)
     engine = VerifierEngine(runner, caches, config.max_draft_tokens)
-    servicer = VerifierServicer(engine, build_metrics(telemetry, "verifier", engine, config))
+    drain = Drain()
+    servicer = VerifierServicer(engine, build_metrics(telemetry, "verifier", engine, config),
+                                drain)
     name = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
     run_service(config, telemetry, engine,
                 lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
-                name, "verifier")
+                name, "verifier", drain)
