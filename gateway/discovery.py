@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -161,13 +162,20 @@ class KubernetesDiscovery(_Observable):
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stops the loop and closes an open watch."""
+        """Stops the loop and closes an open watch. ``Watch.stop`` unblocks a read by shutting
+        the response's socket, but only once the response exists: a stop that lands while the
+        watch request is still being answered would leave the thread reading until the watch
+        times out, so it is repeated until the thread ends (or ``timeout``)."""
         self._stop.set()
-        watch = self._watch
-        if watch is not None:
-            watch.stop()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        while self._thread is not None and self._thread.is_alive():
+            watch = self._watch
+            if watch is not None:
+                watch.stop()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._thread.join(min(0.1, left))
 
     # -- the loop ------------------------------------------------------------------------------
 
