@@ -77,7 +77,7 @@ class DrafterEngine(ModelEngine):
         check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens,
                     call.num_tokens + 1)
         with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash) as entry:
-            job = SoloJob(lambda model, device, _new_cache: draft_tree(
+            job = SoloJob(lambda model, device: draft_tree(
                 model, entry, list(delta.new_tokens), call, device),
                 passes=1 + call.num_tokens)
             (branches, _), ms, batch = await self.runner.submit(job)

@@ -27,19 +27,30 @@ class SoloJob:
     """Work that runs alone on the model thread (not micro-batched with other calls), e.g.
     the drafter's tree of branches, which is a batch of its own."""
 
-    def __init__(self, run: Callable[[Any, torch.device, Callable[[], Any]], Any],
-                 passes: int) -> None:
-        self.run = run  # (model, device, new_cache) -> result
+    def __init__(self, run: Callable[[Any, torch.device], Any], passes: int) -> None:
+        self.run = run  # (model, device) -> result
         self.passes = passes  # forward passes it makes, for the stats
 
 
-def _no_stop_iteration(fn, *args):
-    """Runs ``fn``; a StopIteration it raises becomes a RuntimeError, which an asyncio future
-    can carry (it refuses a StopIteration, and the call awaiting it would never return)."""
+def _capturing(fn, *args) -> tuple[Any, Exception | None]:
+    """(fn(*args), None), or (None, the exception it raised): a job's failure comes back as a
+    value, as run_steps reports a batched job's, never through the executor's future."""
     try:
-        return fn(*args)
-    except StopIteration as exc:
-        raise RuntimeError(f"the model thread's job raised StopIteration: {exc!r}") from exc
+        return fn(*args), None
+    except Exception as exc:  # noqa: BLE001 - reported to the job's caller by _fail
+        return None, exc
+
+
+def _fail(future: asyncio.Future, exc: BaseException) -> None:
+    """Fails a job's future with ``exc``. An asyncio future refuses a StopIteration (e.g.
+    ``next()`` on an empty iterator in model code): it is carried as a RuntimeError, where it
+    would otherwise raise in the runner and fail every call waiting behind it."""
+    if isinstance(exc, StopIteration):
+        wrapped = RuntimeError(f"the model thread's job raised StopIteration: {exc!r}")
+        wrapped.__cause__ = exc
+        exc = wrapped
+    if not future.done():
+        future.set_exception(exc)
 
 
 class ModelRunner:
@@ -108,11 +119,9 @@ class ModelRunner:
                     self.stats.batched_calls += len(batch)
                 for (_, fut), result, error in zip(batch, outcome.results, outcome.errors,
                                                    strict=True):
-                    if fut.done():
-                        continue
                     if error is not None:
-                        fut.set_exception(error)
-                    else:
+                        _fail(fut, error)
+                    elif not fut.done():
                         fut.set_result((result, outcome.compute_ms, len(batch)))
                 batch = []
         except BaseException as exc:  # the model thread is gone (shutdown): fail every waiter
@@ -130,12 +139,12 @@ class ModelRunner:
             return
         start = time.perf_counter()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._executor, _no_stop_iteration, job.run, self.model, self.device,
-                self.new_kv)
-        except Exception as exc:  # noqa: BLE001 - the job's own failure, reported to its caller
-            if not future.done():
-                future.set_exception(exc)
+            result, error = await asyncio.get_running_loop().run_in_executor(
+                self._executor, _capturing, job.run, self.model, self.device)
+        except Exception as exc:  # noqa: BLE001 - the executor could not run it (shut down)
+            result, error = None, exc
+        if error is not None:
+            _fail(future, error)
             return
         ms = (time.perf_counter() - start) * 1000.0
         self.stats.forward_ms += ms

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gateway.rounds import fanout_share
+from services.batching import Row, StepJob
 from services.model_runner import ModelRunner
 from services.params import SamplingParams
 from tests.round_harness import Harness, greedy_chain, tables
@@ -131,20 +132,50 @@ def test_a_busy_drafter_gets_quadratically_fewer_branches_then_none():
     assert fanout_share(1, 0) == 1 and fanout_share(1, 1) == 0
 
 
-def test_a_solo_job_raising_stop_iteration_fails_its_call_instead_of_hanging_the_runner():
+class _OneStep(StepJob):
+    """A batched job of one pass over token 1 on a fresh cache; ``fail`` raises instead."""
+
+    def __init__(self, lm, fail: BaseException | None = None) -> None:
+        self.lm, self.fail, self.logits = lm, fail, None
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
+
+    def next_row(self) -> Row:
+        if self.fail is not None:
+            raise self.fail
+        return Row(tokens=[1], kv=self.lm.new_cache(), start=0, keep=1)
+
+    def take(self, logits) -> None:
+        self.logits = logits
+
+    def result(self):
+        return self.logits
+
+
+def test_a_job_raising_stop_iteration_fails_only_its_own_call():
     """asyncio futures refuse a StopIteration (e.g. ``next()`` on an empty iterator in a
-    model's code): the runner turns it into a RuntimeError, so the call fails, and the next
-    job still runs."""
+    model's code). A solo job's used to hang its call and every job behind it; a batched
+    job's raised in the runner and failed the jobs batched with it. Now it is that call's
+    RuntimeError, and the other calls are answered."""
     from services.model_runner import SoloJob
     from tests.round_harness import _meta
 
     target, _ = tables(8, 0, 0.0)
-    runner = ModelRunner(target, _meta(target, "t"), torch.device("cpu"), max_queue=4)
+    runner = ModelRunner(target, _meta(target, "t"), torch.device("cpu"), max_queue=8)
 
     async def body():
         with pytest.raises(RuntimeError, match="StopIteration"):
             await asyncio.wait_for(runner.submit(SoloJob(lambda *_: next(iter(())), 1)), 10)
-        result, _, _ = await asyncio.wait_for(runner.submit(SoloJob(lambda *_: 7, 1)), 10)
-        return result
+        solo, _, _ = await asyncio.wait_for(runner.submit(SoloJob(lambda *_: 7, 1)), 10)
+        bad, good = await asyncio.wait_for(asyncio.gather(
+            runner.submit(_OneStep(target, StopIteration())), runner.submit(_OneStep(target)),
+            return_exceptions=True), 10)
+        return solo, bad, good
 
-    assert asyncio.run(body()) == 7
+    solo, bad, good = asyncio.run(body())
+    assert solo == 7
+    assert isinstance(bad, RuntimeError) and "StopIteration" in str(bad)
+    logits, _, batch = good
+    assert batch == 2 and torch.equal(logits[0], target.a[1] + target.b[0])
