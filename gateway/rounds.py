@@ -202,8 +202,9 @@ class RoundRunner:
         """Branches to ask for: the configured fan-out when the drafter is idle, divided by
         (1 + b)² while it serves b other calls for this gateway, and 0 (no speculation) once
         that leaves none. A tree is optional work that queues ahead of other sessions' draft
-        calls, which are on their rounds' critical paths; at 8 streams a fan-out shared
-        linearly (÷ (1 + b)) gave 232-268 tokens/s and this rule 295 (docs/performance.md)."""
+        calls, which are on their rounds' critical paths; at 8 streams, fan-out 16 shared
+        linearly (÷ (1 + b)) gave 219-232 tokens/s, fan-out 8 shared so 268-287, and this rule
+        295 (docs/performance.md)."""
         busy = replica.inflight + replica.load.get("queue_depth", 0)
         return fanout_share(self.config.spec_fanout, busy)
 

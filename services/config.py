@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How replicas run a model: the lean forward with prepacked CPU weights where supported,
+# the lean forward with PyTorch's matmuls, or transformers' own (services/lean_llama.py).
+FORWARD_MODES = ("auto", "lean", "hf")
+
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -125,8 +129,8 @@ class ModelServiceConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
-        _require(self.forward in ("auto", "lean", "hf"),
-                 f"forward must be auto, lean or hf, got {self.forward!r}")
+        _require(self.forward in FORWARD_MODES,
+                 f"forward must be one of {', '.join(FORWARD_MODES)}, got {self.forward!r}")
         _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
                  f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _require(self.dtype in ("float32", "float16", "bfloat16"),

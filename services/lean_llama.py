@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.config import FORWARD_MODES
 from services.kv_slab import SlabCache
 
 
@@ -213,9 +214,6 @@ class LeanLlama(torch.nn.Module):
         keep = m if not logits_to_keep else min(logits_to_keep, m)
         x = self._rms(x[:, -keep:], self.hf.model.norm.weight)
         return LeanOutput(logits=self._lm_head(x))  # [B, keep, V]
-
-
-FORWARD_MODES = ("auto", "lean", "hf")
 
 
 def lean_forward(model, mode: str):

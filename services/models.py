@@ -70,7 +70,7 @@ def load_for_serving(path: str, device_name: str, dtype: str, threads: int,
     """Loads model and tokenizer, runs one warm-up forward; returns (model, meta, device).
     ``forward`` "auto" runs supported models with the lean forward (services/lean_llama.py)
     and, on a CPU, prepacked weights; "lean" without prepacking; "hf" with transformers'."""
-    from services.lean_llama import lean_forward
+    from services.lean_llama import lean_forward, packing_unavailable
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -79,9 +79,15 @@ def load_for_serving(path: str, device_name: str, dtype: str, threads: int,
     tokenizer = load_tokenizer(path)
     meta = describe(path, model, tokenizer)
     model, why_not = lean_forward(model, forward)
-    log.info("%s runs with %s", path, f"transformers' forward ({why_not})" if why_not
-             else "the lean forward" + (" and prepacked weights"
-                                        if getattr(model, "packed", False) else ""))
+    if why_not:
+        how = f"transformers' forward ({why_not})"
+    elif model.packed:
+        how = "the lean forward and prepacked weights"
+    elif forward == "lean":
+        how = "the lean forward (--forward lean: PyTorch's matmuls)"
+    else:
+        how = f"the lean forward, weights not prepacked ({packing_unavailable(model.hf.lm_head.weight)})"
+    log.info("%s runs with %s", path, how)
     with torch.inference_mode():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
     log.info("loaded %s on %s: vocab %d, context %d, fingerprint %s", path, device,
