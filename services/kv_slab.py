@@ -6,8 +6,9 @@ every layer at every step; cropping rejected drafts makes the next append copy i
 This cache copies only when a buffer is full (it then grows by ``chunk`` positions, so a
 session holds at most ``chunk - 1`` unused positions per layer) and crops by moving the
 length back. Only the lean forward (services/lean_llama.py) uses it: it calls just
-``update`` and ``get_seq_length``. The micro-batching code (services/batching.py) and the
-drafter's tree read ``layers[i].keys`` / ``.values``, which are views of the live positions.
+``update`` and ``get_seq_length``; the drafter's tree also ``crop``s its branches off. The
+micro-batching code (services/batching.py) and the round-loop tests' table model read
+``layers[i].keys`` / ``.values``, which are views of the live positions.
 """
 
 from __future__ import annotations
@@ -38,10 +39,6 @@ class SlabLayer:
 
     def capacity(self) -> int:
         return 0 if self._keys is None else self._keys.shape[2]
-
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        """Takes [B, KV, capacity, D] buffers whose first ``length`` positions are live."""
-        self._keys, self._values, self.length = keys, values, length
 
     def update(self, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from services.models import ModelMeta
 
 class SoloJob:
     """Work that runs alone on the model thread (not micro-batched with other calls), e.g.
-    the drafter's tree of branches, which is a batch of its own."""
+    the drafter's tree of branches, whose passes already hold many tokens each."""
 
     def __init__(self, run: Callable[[Any, torch.device], Any], passes: int) -> None:
         self.run = run  # (model, device) -> result
