@@ -1,8 +1,11 @@
 """Micro-batching: one forward pass for the calls of several sessions.
 
-Each session keeps its own KV cache (batch 1, ``start`` positions). For a pass
-over B sessions the caches are left-padded to the longest one and stacked, the new
-tokens are right-padded, and a 2-D attention mask hides both paddings:
+Each session keeps its own KV cache (batch 1, ``start`` positions). The lean forward
+(services/lean_llama.py) runs such a batch as one ragged pass: the projections over all the
+rows' new tokens at once, attention per row on its own cache in place. For any other model
+(transformers' forward) the caches of a pass over B sessions are left-padded to the longest
+one and stacked, the new tokens are right-padded, and a 2-D attention mask hides both
+paddings:
 
     row b:  [ 0 … 0 | past_b (L_b) | new_b (m_b) | 0 … 0 ]
              L_max-L_b               L_max        m_max-m_b
@@ -65,6 +68,9 @@ def forward_rows(model, rows: Sequence[Row], device: torch.device,
     """
     if len(rows) == 1:
         return [forward_one(model, rows[0], device)]
+    ragged = getattr(model, "forward_ragged", None)
+    if ragged is not None:  # the lean forward: each cache read in place, nothing stacked
+        return [lg.cpu() for lg in ragged(rows)]
     B = len(rows)
     lengths = [r.start for r in rows]
     sizes = [len(r.tokens) for r in rows]

@@ -216,6 +216,60 @@ class LeanLlama(torch.nn.Module):
         return LeanOutput(logits=self._lm_head(x))  # [B, keep, V]
 
 
+    @torch.inference_mode()
+    def forward_ragged(self, rows) -> list[torch.Tensor]:
+        """One pass over several sessions' new tokens, each on its own KV cache, read and
+        written in place: nothing is padded, stacked or copied between caches. The
+        projections and the LM head run once over all the rows' tokens together (that is
+        where batching pays: each weight is read once for the whole batch); attention runs
+        per row on a view of that row's own cache. ``rows``: services.batching.Row, each
+        with a SlabCache holding ``start`` positions. Returns per row logits [keep_b, V].
+
+            tokens of all rows, concatenated:  T = sum m_b
+            x [1, T, h] ; per layer  q [H, T, D], k, v [KV, T, D]
+            row b: its slice [o_b, o_b + m_b) of q, k, v ; its cache [1, KV, L_b + m_b, D]
+        """
+        H, KV, D = self._heads, self._kv_heads, self._head_dim
+        sizes = [len(r.tokens) for r in rows]
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        starts = [e - m for e, m in zip(ends, sizes, strict=True)]
+        T = ends[-1]
+        dev = self.hf.model.embed_tokens.weight.device
+        ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long,
+                           device=dev)[None]  # [1, T]
+        positions = torch.cat([torch.arange(r.start, r.start + m, device=dev)
+                               for r, m in zip(rows, sizes, strict=True)])[None]  # [1, T]
+        x = self.hf.model.embed_tokens(ids)  # [1, T, h]
+        cos, sin = self.hf.model.rotary_emb(x, positions)  # [1, T, D]
+        cos, sin = cos[0][None], sin[0][None]  # [1, T, D], broadcast over heads
+        masks = [None if m == 1 else  # one query sees every key: no mask needed
+                 torch.ones(m, r.start + m, dtype=torch.bool, device=dev).tril(diagonal=r.start)
+                 for r, m in zip(rows, sizes, strict=True)]  # [m_b, L_b + m_b]
+        for i, w in enumerate(self._layers):
+            h = self._rms(x, w.ln1)
+            q, k, v = w.qkv(h)[0].split([H * D, KV * D, KV * D], dim=-1)
+            q = q.view(T, H, D).transpose(0, 1)  # [H, T, D]
+            k = k.view(T, KV, D).transpose(0, 1)  # [KV, T, D]
+            v = v.view(T, KV, D).transpose(0, 1)
+            q = q * cos + self._rotate_half(q) * sin
+            k = k * cos + self._rotate_half(k) * sin
+            out = []
+            for r, s, e, mask in zip(rows, starts, ends, masks, strict=True):
+                keys, values = r.kv.update(k[None, :, s:e], v[None, :, s:e], i)  # [1, KV, L+m, D]
+                out.append(F.scaled_dot_product_attention(
+                    q[None, :, s:e], keys, values, attn_mask=mask, enable_gqa=KV != H)[0])
+            attn = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [H, T, D]
+            x = x + w.o(attn.transpose(0, 1).reshape(1, T, H * D))
+            h = self._rms(x, w.ln2)
+            gate, up = w.gate_up(h).split([self._inter, self._inter], dim=-1)
+            x = x + w.down(F.silu(gate) * up)
+        wanted = torch.tensor([j for r, e in zip(rows, ends, strict=True)
+                               for j in range(e - r.keep, e)], device=dev)  # [K] with logits
+        x = self._rms(x[:, wanted], self.hf.model.norm.weight)  # [1, K, h]
+        logits = self._lm_head(x)[0].float()  # [K, V]
+        return list(logits.split([r.keep for r in rows]))
+
+
 def lean_forward(model, mode: str):
     """The model a replica runs: ``mode`` "auto" wraps supported models in LeanLlama with
     prepacked weights where they can be, "lean" without them, "hf" keeps transformers'
