@@ -17,15 +17,15 @@ same call run alone (up to float summation order). After the pass each session's
 gets its own new keys and values appended.
 
 A call is a :class:`StepJob`: it feeds tokens, gets their logits, and says what to feed
-next (the verifier: one step; the drafter: k steps). :func:`run_steps` advances a batch of
-jobs together until every one is done; jobs that fail are reported, the others go on.
+next (the verifier: one step; the drafter: k steps). :func:`run_step` advances a batch of
+jobs by one pass; jobs that fail are reported, the others go on.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -135,48 +135,31 @@ class StepJob:
         raise NotImplementedError
 
 
-@dataclass
-class BatchOutcome:
-    """What one batch cost: passes run, their summed compute, and per job result or error."""
-
-    results: list[Any] = field(default_factory=list)
-    errors: list[BaseException | None] = field(default_factory=list)
-    passes: int = 0
-    compute_ms: float = 0.0
-
-
-def run_steps(model, jobs: Sequence[StepJob], device: torch.device,
-              new_cache: Callable[[], Any]) -> BatchOutcome:
-    """Advances ``jobs`` together, one forward pass per step, until all are done."""
-    errors: list[BaseException | None] = [None] * len(jobs)
-    outcome = BatchOutcome()
+def run_step(model, jobs: Sequence[StepJob], device: torch.device,
+             new_cache: Callable[[], Any]) -> tuple[list[BaseException | None], float]:
+    """One forward pass over each job's next row; returns (per job its error or None, the
+    pass's milliseconds). A job that fails is reported and the others go on; a failed pass
+    fails every job in it. The caller (services/model_runner.py) decides which jobs run the
+    next step: jobs that are done leave, new ones join."""
     start = time.perf_counter()
-    while True:
-        active = [i for i, j in enumerate(jobs) if errors[i] is None and not jobs[i].done]
-        if not active:
-            break
-        rows = []
-        for i in list(active):
-            try:
-                rows.append(jobs[i].next_row())
-            except Exception as exc:  # noqa: BLE001 - a bad job must not fail the others
-                errors[i] = exc
-                active.remove(i)
-        if not active:
-            break
+    errors: list[BaseException | None] = [None] * len(jobs)
+    rows, live = [], []
+    for i, job in enumerate(jobs):
+        try:
+            rows.append(job.next_row())
+            live.append(i)
+        except Exception as exc:  # noqa: BLE001 - a bad job must not fail the others
+            errors[i] = exc
+    if live:
         try:
             logits = forward_rows(model, rows, device, new_cache)
         except Exception as exc:  # noqa: BLE001 - the pass failed: every job in it did
-            for i in active:
+            logits = None
+            for i in live:
                 errors[i] = exc
-            break
-        outcome.passes += 1
-        for i, lg in zip(active, logits, strict=True):
+        for i, lg in zip(live, logits or (), strict=False):
             try:
                 jobs[i].take(lg)
             except Exception as exc:  # noqa: BLE001
                 errors[i] = exc
-    outcome.compute_ms = (time.perf_counter() - start) * 1000.0
-    outcome.errors = errors
-    outcome.results = [None if e is not None else j.result() for j, e in zip(jobs, errors, strict=True)]
-    return outcome
+    return errors, (time.perf_counter() - start) * 1000.0

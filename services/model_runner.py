@@ -3,8 +3,10 @@
 Both the drafter and the verifier use it: model calls never block the event loop, never
 run concurrently on one model, and a full queue answers RESOURCE_EXHAUSTED at once instead
 of growing without bound. Calls that arrive while the model is busy wait in the queue and
-then run together, up to ``max_batch`` of them in one forward pass per step
-(services/batching.py): under load the verifier's pass serves many sessions at once.
+join the running batch at its next step, up to ``max_batch`` of them in one forward pass
+(services/batching.py; continuous batching): under load each pass serves many sessions at
+once, and a call that needs several steps (a drafter's k tokens) neither holds back calls
+that arrive after it nor waits for the calls it started with.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from services.batching import StepJob, run_steps
+from services.batching import StepJob, run_step
 from services.errors import InvalidArgument, Overloaded
 from services.messages import ReplicaStats, check_token_ids
 from services.models import ModelMeta
@@ -53,6 +56,17 @@ def _fail(future: asyncio.Future, exc: BaseException) -> None:
         future.set_exception(exc)
 
 
+@dataclass
+class _Active:
+    """A step job in the running batch, with what its caller is told: the compute of the
+    passes it took part in and the largest batch it ran in."""
+
+    job: StepJob
+    future: asyncio.Future
+    compute_ms: float = 0.0
+    batch: int = 0
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, meta: ModelMeta, device: torch.device,
                  max_queue: int, max_batch: int = 16) -> None:
@@ -82,8 +96,9 @@ class ModelRunner:
         return DynamicCache(config=self.model.config)
 
     async def submit(self, job: StepJob | SoloJob) -> tuple[Any, float, int]:
-        """Runs ``job`` in the next batch; returns (its result, the batch's compute
-        milliseconds, the batch size). Errors of the job are raised here."""
+        """Runs ``job`` (a step job joins the running batch at its next step); returns (its
+        result, the compute milliseconds of the passes it took part in, the largest batch it
+        ran in). Errors of the job are raised here."""
         if self._pending >= self._max_queue:
             raise Overloaded(f"model queue is full ({self._max_queue} calls waiting): retry later")
         self._pending += 1
@@ -97,35 +112,32 @@ class ModelRunner:
             self._pending -= 1
 
     async def _drain(self) -> None:
+        """Continuous batching: each pass is one step of every active job; between passes
+        jobs that are done leave (their callers are answered at once) and queued ones join,
+        up to ``max_batch``. A solo job at the head of the queue runs alone between steps."""
         loop = asyncio.get_running_loop()
-        batch: list[tuple[StepJob, asyncio.Future]] = []
+        active: list[_Active] = []
         try:
-            while self._waiting:
-                if isinstance(self._waiting[0][0], SoloJob):
+            while self._waiting or active:
+                if self._waiting and isinstance(self._waiting[0][0], SoloJob):
                     await self._run_solo(*self._waiting.pop(0))
                     continue
-                solo = [i for i, (job, _) in enumerate(self._waiting) if isinstance(job, SoloJob)]
-                batch = self._waiting[: min([self._max_batch, *solo])]
-                del self._waiting[: len(batch)]
-                batch = [(job, fut) for job, fut in batch if not fut.done()]  # not cancelled
-                if not batch:
+                while (self._waiting and len(active) < self._max_batch
+                       and not isinstance(self._waiting[0][0], SoloJob)):
+                    job, fut = self._waiting.pop(0)
+                    if not fut.done():  # not cancelled while it waited
+                        active.append(_Active(job, fut))
+                if not active:
                     continue
-                outcome = await loop.run_in_executor(
-                    self._executor, run_steps, self.model, [job for job, _ in batch],
+                errors, ms = await loop.run_in_executor(
+                    self._executor, run_step, self.model, [a.job for a in active],
                     self.device, self.new_kv)
-                self.stats.forward_ms += outcome.compute_ms
-                self.stats.forward_passes += outcome.passes
-                if len(batch) > 1:
-                    self.stats.batched_calls += len(batch)
-                for (_, fut), result, error in zip(batch, outcome.results, outcome.errors,
-                                                   strict=True):
-                    if error is not None:
-                        _fail(fut, error)
-                    elif not fut.done():
-                        fut.set_result((result, outcome.compute_ms, len(batch)))
-                batch = []
+                self.stats.forward_ms += ms
+                self.stats.forward_passes += 1
+                active = [a for a, error in zip(active, errors, strict=True)
+                          if not self._settle(a, error, ms, len(active))]
         except BaseException as exc:  # the model thread is gone (shutdown): fail every waiter
-            for _, fut in batch + self._waiting:
+            for fut in [a.future for a in active] + [fut for _, fut in self._waiting]:
                 if not fut.done():
                     fut.set_exception(exc if isinstance(exc, Exception) else
                                       RuntimeError("the model runner stopped"))
@@ -133,6 +145,23 @@ class ModelRunner:
             raise
         finally:
             self._drainer = None
+
+    def _settle(self, a: _Active, error: BaseException | None, ms: float, batch: int) -> bool:
+        """Accounts one step to an active job; True when it leaves the batch (done, failed,
+        or its caller went away: a cancelled call's cache was dropped by its checkout)."""
+        a.compute_ms += ms
+        a.batch = max(a.batch, batch)
+        if error is not None:
+            _fail(a.future, error)
+            return True
+        if a.future.done():
+            return True
+        if not a.job.done:
+            return False
+        if a.batch > 1:
+            self.stats.batched_calls += 1
+        a.future.set_result((a.job.result(), a.compute_ms, a.batch))
+        return True
 
     async def _run_solo(self, job: SoloJob, future: asyncio.Future) -> None:
         if future.done():  # cancelled while it waited

@@ -7,13 +7,14 @@ any cache, for logits; HF greedy generate for the verifier's answers.
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 
 import grpc
 import pytest
 import torch
 
-from services.batching import Row, forward_rows
+from services.batching import Row, StepJob, forward_rows
 from services.hashing import token_hash
 from services.kv_cache import SessionCaches
 from services.messages import CacheDelta, VerifyCall
@@ -69,6 +70,68 @@ def test_forward_rows_matches_uncached_forward_of_each_session(target_model):
             seq.extend(new)
             assert kvs[b].get_seq_length() == len(seq), "the cache holds exactly its tokens"
         new_lens = [1, 2, 1, 4]
+
+
+class _Steps(StepJob):
+    """Feeds one token per step on its own cache, ``steps`` times. ``hold``: its first
+    step waits (on the model thread) until the test sets it."""
+
+    def __init__(self, model, steps: int, name: str, hold: threading.Event | None = None):
+        self.kv, self.fed, self.left, self.name = _new_kv(model), 0, steps, name
+        self.hold, self.started = hold, threading.Event()
+
+    def next_row(self) -> Row:
+        self.started.set()
+        if self.hold is not None:
+            assert self.hold.wait(10), "the test never let the first step go on"
+            self.hold = None
+        return Row(tokens=[5 + self.fed], kv=self.kv, start=self.fed, keep=1)
+
+    def take(self, logits: torch.Tensor) -> None:
+        self.fed += 1
+        self.left -= 1
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def result(self) -> str:
+        return self.name
+
+
+def test_a_call_joins_the_running_batch_at_its_next_step(target_model, tiny_pair):
+    """Continuous batching: a 1-step call that arrives during a 5-step call's first pass
+    runs in that call's second pass and is answered at once, before the long call ends;
+    the two need 5 passes together, not 6 one after the other."""
+    model, tokenizer = target_model
+    runner = ModelRunner(model, describe(tiny_pair[0], model, tokenizer), torch.device("cpu"),
+                         max_queue=8, max_batch=4)
+    hold = threading.Event()
+    long, short = _Steps(model, 5, "long", hold), _Steps(model, 1, "short")
+
+    async def run():
+        finished = []
+
+        async def call(job):
+            result, _ms, batch = await runner.submit(job)
+            finished.append((result, batch))
+
+        first = asyncio.create_task(call(long))
+        while not long.started.is_set():  # the long call's first pass is under way
+            await asyncio.sleep(0.001)
+        second = asyncio.create_task(call(short))
+        await asyncio.sleep(0.01)  # the short call is queued while that pass runs
+        hold.set()
+        await asyncio.gather(first, second)
+        return finished
+
+    try:
+        finished = asyncio.run(run())
+    finally:
+        runner.close()
+    assert finished == [("short", 2), ("long", 2)]
+    assert runner.stats.forward_passes == 5
+    assert long.fed == 5 and short.fed == 1
 
 
 def _engine(target_model, tiny_pair, max_batch: int) -> VerifierEngine:
