@@ -106,8 +106,9 @@ class RoundResult:
 
 
 def fanout_share(fanout: int, busy: int) -> int:
-    """The branches one speculation call gets while its drafter serves ``busy`` other calls."""
-    return fanout // (1 + busy) ** 2
+    """The branches one speculation call gets while its drafter serves ``busy`` other calls:
+    all of them while it is idle, none while it is not."""
+    return fanout if busy == 0 else 0
 
 
 def commit_round(h: SessionHandle, r: RoundResult, kept: list[int]) -> None:
@@ -199,12 +200,12 @@ class RoundRunner:
             logprobs=result.logprobs)
 
     def _fanout(self, replica) -> int:
-        """Branches to ask for: the configured fan-out when the drafter is idle, divided by
-        (1 + b)² while it serves b other calls for this gateway, and 0 (no speculation) once
-        that leaves none. A tree is optional work that queues ahead of other sessions' draft
-        calls, which are on their rounds' critical paths; at 8 streams, fan-out 16 shared
-        linearly (÷ (1 + b)) gave 219-232 tokens/s, fan-out 8 shared so 268-287, and this rule
-        295 (docs/performance.md)."""
+        """Branches to ask for: the configured fan-out when the drafter serves no other call
+        for this gateway, else none. A tree runs alone on the drafter's model thread (its
+        passes already hold many tokens), so it holds back the continuous batch of other
+        sessions' draft calls, which are on their rounds' critical paths. Side by side on one
+        mesh (docs/performance.md), against fan-out ÷ (1 + b)² for b other calls: equal at 2
+        and 8 streams, 4 streams 200-270 against 146-179 tokens/s."""
         busy = replica.inflight + replica.load.get("queue_depth", 0)
         return fanout_share(self.config.spec_fanout, busy)
 

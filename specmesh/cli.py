@@ -209,8 +209,8 @@ def gateway(
              "the next round for its likely outcomes; a hit needs no draft call.")] = True,
     spec_fanout: Annotated[int, typer.Option(
         envvar="SPECMESH_SPEC_FANOUT", min=1, max=64,
-        help="Most branches (outcomes) the speculation cache drafts per round; a drafter "
-             "serving b other calls gets this ÷ (1 + b)².")] = 16,
+        help="Most branches (outcomes) the speculation cache drafts per round, while the "
+             "drafter serves no other call (none while it does).")] = 16,
     max_support: Annotated[int, typer.Option(envvar="SPECMESH_MAX_SUPPORT",
                                              help="Largest sparse-q support per position.")] = 32,
     default_max_new_tokens: Annotated[int, typer.Option(
