@@ -34,6 +34,7 @@ from specmesh import bench_baselines, bench_report
 from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, model_info
 from specmesh.bench_machine import count_params, machine_info
 from specmesh.bench_modes import HF_KEYS, MODE_KEYS, TARGET_KEY, Mode, hf_threads, make_modes
+from specmesh.bench_peers import Peer, parse_peers, run_peer_level, served_model
 from specmesh.up_cli import default_pair
 
 
@@ -127,10 +128,12 @@ def run_level(address: str, mode: Mode, prompts: list[str], concurrency: int,
 
 
 def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchOptions,
-              probe: ServiceProbe, hf_pair: tuple[str, str] | None, progress) -> dict:
+              probe: ServiceProbe, hf_pair: tuple[str, str] | None, progress,
+              peers: list[tuple[Peer, str]] = ()) -> dict:
     """Every (mode, concurrency) cell, concurrency by concurrency (so the rows compared with
-    each other run close together in time); the HF rows after the first level's gateway rows.
-    ``progress(label, total)`` returns an advance()."""
+    each other run close together in time): the gateway's modes, then each peer (``peers``:
+    (peer, its model)), in that order on even levels and reversed on odd ones; the HF rows
+    after the first level's. ``progress(label, total)`` returns an advance()."""
     texts = [p["prompt"] for p in prompts]
     rows: list[dict] = []
     outputs: dict[tuple[str, int], list[dict]] = {}
@@ -139,8 +142,15 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     warm = dataclasses.replace(opts, max_new_tokens=min(16, opts.max_new_tokens))
     for mode in gateway_modes:  # first calls load caches, open channels: not measured
         stream_one_client(address, texts[0], mode, warm)
+    for peer, model in peers:  # first calls open connections, load caches: not measured
+        run_peer_level(peer, model, texts[:1], 1, warm.max_new_tokens, opts.timeout_s)
     for level, c in enumerate(opts.concurrency):
-        for mode in gateway_modes:
+        cells = [*gateway_modes, *peers]
+        for cell in cells if level % 2 == 0 else cells[::-1]:
+            if isinstance(cell, tuple):
+                rows.append(_peer_row(*cell, texts, c, opts, progress, outputs))
+                continue
+            mode = cell
             advance = progress(f"{mode.label} @ {c}", max(len(texts), c))
             before = probe.snapshot()
             records, wall = run_level(address, mode, texts, c, opts, advance)
@@ -162,6 +172,17 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
                  for r in outputs.get((TARGET_KEY, opts.concurrency[0]), []) if not r["error"]}
     baselines = bench_baselines.baselines(rows, base, {m.key: m.label for m in modes})
     return {"rows": rows, "costs": costs, "baselines": baselines, "reference_outputs": reference}
+
+
+def _peer_row(peer: Peer, model: str, texts: list[str], c: int, opts: BenchOptions, progress,
+              outputs: dict) -> dict:
+    advance = progress(f"{peer.name} @ {c}", max(len(texts), c))
+    records, wall = run_peer_level(peer, model, texts, c, opts.max_new_tokens, opts.timeout_s,
+                                   advance)
+    outputs[(peer.key, c)] = records
+    return {"mode": peer.key, "label": f"{peer.name} ({peer.url}, {model})", "concurrency": c,
+            **bench_report.summarize(records, wall), "alpha": None, **gateway_figures(None),
+            "services": None}
 
 
 def run_hf_rows(pair: tuple[str, str], modes: list[Mode], texts: list[str], opts: BenchOptions,
@@ -240,6 +261,10 @@ def bench(
     seed: Annotated[int, typer.Option(help="Sampling seed sent with every request (greedy "
                                            "output does not depend on it).")] = 0,
     timeout: Annotated[float, typer.Option(help="Deadline of one request, seconds.")] = 600.0,
+    peer: Annotated[list[str] | None, typer.Option(
+        help="NAME=URL of an OpenAI-compatible server (vLLM, llama.cpp's llama-server, ...) "
+             "to run the same prompts against at every concurrency level, in the same run; "
+             "repeatable.")] = None,
 ) -> None:
     """Compare SpecMesh (model drafter with a fixed k and with the gateway's defaults, n-gram
     drafter) with plain HF generate (the speedup base), HF assisted generation (fixed k and its
@@ -272,6 +297,13 @@ def bench(
     if bool(target) != bool(drafter):
         raise typer.BadParameter("give both --target and --drafter, or neither")
     keys = [x for x in keys if not (no_hf and x in HF_KEYS)]
+    try:
+        peer_list = parse_peers(peer or [])
+        peers = [(p, served_model(p)) for p in peer_list]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    except OSError as exc:
+        raise typer.BadParameter(f"--peer: a peer does not answer at its /models: {exc}") from exc
     opts = BenchOptions(concurrency=levels, k=k, max_new_tokens=max_new_tokens, threads=threads,
                         device=device, seed=seed, timeout_s=timeout)
     chosen = load_prompts(prompt_file or PROMPTS_PATH, prompts)
@@ -310,7 +342,7 @@ def bench(
             def progress(label: str, total: int):
                 task = bar.add_task(label, total=total)
                 return lambda: bar.advance(task)
-            results = run_bench(addr, chosen, mode_list, opts, probe, hf_pair, progress)
+            results = run_bench(addr, chosen, mode_list, opts, probe, hf_pair, progress, peers)
     report = {
         "machine": {**machine, "load_average_end": list(os.getloadavg())},
         "settings": {"concurrency": levels, "k": k, "max_new_tokens": max_new_tokens,
@@ -318,6 +350,7 @@ def bench(
                      "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
                      "seed": seed,
                      "address": address,
+                     "peers": [{"name": p.name, "url": p.url, "model": m} for p, m in peers],
                      "prompts": [{x: p[x] for x in ("id", "kind", "source")} for p in chosen]},
         "models": {role: {"name": name, "params": count_params(name) if name else None}
                    for role, name in names.items()},

@@ -1,4 +1,5 @@
-"""What `specmesh bench` compares its rows with, and its targets (issue #14, "done when").
+"""What `specmesh bench` compares its rows with, and its targets (issues #14 and #19, "done
+when").
 
 * The speedup base (``speedup_base``): plain HF ``generate`` of the target (``hf-plain``, in
   the bench process, concurrency 1) when that row ran with a tokens/s, else SpecMesh
@@ -12,7 +13,8 @@
   target-only tokens/s at concurrency 1: what the gateway, gRPC and the services cost a stream
   that does not speculate.
 * ``outputs_match``: every output equals target-only's for the same prompt (greedy: the
-  lossless guarantee).
+  lossless guarantee). Peer rows (``--peer``, specmesh.bench_peers) are not compared: None.
+* ``vs_peer_N``: a SpecMesh row's aggregate tokens/s at N streams over the best peer's at N.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 from specmesh.bench_costs import ratio
 from specmesh.bench_modes import ASSISTED_KEYS, PLAIN_KEY, SPEC_KEYS, TARGET_KEY
+from specmesh.bench_peers import PEER_PREFIX
 
 
 def _row(rows: list[dict], mode: str, concurrency: int) -> dict:
@@ -61,7 +64,7 @@ def compare(rows: list[dict], outputs: dict[tuple[str, int], list[dict]]) -> str
         b = _row(rows, base, 1) if base == PLAIN_KEY else t
         row["speedup"] = ratio(row["tokens_per_s"], b.get("tokens_per_s"))
         row["vs_target"] = ratio(row["tokens_per_s"], t.get("tokens_per_s"))
-        if first is None:
+        if first is None or row["mode"].startswith(PEER_PREFIX):
             row["outputs_match"], row["mismatched_prompts"] = None, []
             continue
         bad = sorted({rec["prompt_index"] for rec in outputs[(row["mode"], row["concurrency"])]
@@ -88,6 +91,12 @@ MODE_TARGETS = (  # for each of SPEC_KEYS
     Target("scaling", "aggregate tokens/s at 8 streams / at 1", ">=", 2.5),
     Target("vs_target_8", "tokens/s / SpecMesh target-only's, concurrency 8 (never slower)",
            ">=", 1.0),
+    Target("scaling_16", "aggregate tokens/s at 16 streams / at 1", ">=", 5.0),
+    Target("vs_target_all", "the lowest tokens/s / SpecMesh target-only's over every level "
+                            "(never slower)", ">=", 1.0),
+    Target("vs_peer_8", "aggregate tokens/s / the best peer's (--peer), 8 streams", ">=", 1.0),
+    Target("vs_peer_16", "aggregate tokens/s / the best peer's (--peer), 16 streams", ">=",
+           1.0),
 )
 LOSSLESS = Target("lossless", "fraction of rows whose every output equals target-only's",
                   ">=", 1.0)
@@ -102,7 +111,9 @@ def passes(value: float | None, comparison: str, threshold: float) -> bool | Non
 
 def mode_values(rows: list[dict], mode: str) -> dict[str, float | None]:
     """MODE_TARGETS' measured values for one SpecMesh mode."""
-    one, eight = _row(rows, mode, 1), _row(rows, mode, 8)
+    one, eight, sixteen = _row(rows, mode, 1), _row(rows, mode, 8), _row(rows, mode, 16)
+    vs_target = [ratio(r.get("tokens_per_s"), _row(rows, TARGET_KEY, r["concurrency"])
+                       .get("tokens_per_s")) for r in rows if r["mode"] == mode]
     assisted = [_row(rows, key, 1).get("tokens_per_s") for key in ASSISTED_KEYS]
     best = max((x for x in assisted if x is not None), default=None)
     return {
@@ -113,7 +124,18 @@ def mode_values(rows: list[dict], mode: str) -> dict[str, float | None]:
         "scaling": ratio(eight.get("tokens_per_s"), one.get("tokens_per_s")),
         "vs_target_8": ratio(eight.get("tokens_per_s"),
                              _row(rows, TARGET_KEY, 8).get("tokens_per_s")),
+        "scaling_16": ratio(sixteen.get("tokens_per_s"), one.get("tokens_per_s")),
+        "vs_target_all": min((x for x in vs_target if x is not None), default=None),
+        "vs_peer_8": ratio(eight.get("tokens_per_s"), best_peer(rows, 8)),
+        "vs_peer_16": ratio(sixteen.get("tokens_per_s"), best_peer(rows, 16)),
     }
+
+
+def best_peer(rows: list[dict], concurrency: int) -> float | None:
+    """The highest aggregate tokens/s of any peer row at ``concurrency`` (None: no peer)."""
+    return max((r["tokens_per_s"] for r in rows if r["mode"].startswith(PEER_PREFIX)
+                and r["concurrency"] == concurrency and r["tokens_per_s"] is not None),
+               default=None)
 
 
 def lossless_value(rows: list[dict]) -> float | None:

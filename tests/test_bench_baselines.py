@@ -64,6 +64,23 @@ def test_the_speedup_base_falls_back_to_target_only():
     assert speedup_base(rows + [_row("hf-plain", 1, None)]) == "target"
 
 
+def test_peer_rows_are_not_compared_with_target_only():
+    """A peer's outputs are text from another engine: no token ids to compare, so neither a
+    match nor a mismatch, while its speed is still set against target-only's."""
+    rows = [_row("target", 8, 100.0), _row("peer:vllm", 8, 300.0)]
+    compare(rows, {("target", 8): _out([1, 2]), ("peer:vllm", 8): [
+        {"prompt_index": 0, "token_ids": [], "text": "x", "error": ""}]})
+    assert rows[1]["outputs_match"] is None and rows[1]["vs_target"] == pytest.approx(3.0)
+
+
+def test_scaling_16_and_the_lowest_ratio_over_target_only():
+    rows = [_row("target", 1, 50.0), _row("target", 16, 400.0), _row("model", 1, 100.0),
+            _row("model", 16, 380.0)]
+    got = {(t["mode"], t["key"]): t["value"] for t in targets(rows)}
+    assert got[("model", "scaling_16")] == pytest.approx(3.8)
+    assert got[("model", "vs_target_all")] == pytest.approx(0.95)  # 16 streams: slower
+
+
 def test_without_target_only_nothing_is_compared():
     rows = [_row("model", 1, 100.0), _row("hf-plain", 1, 50.0)]
     compare(rows, {("model", 1): _out([1]), ("hf-plain", 1): _out([1])})
@@ -85,6 +102,8 @@ def _measured_rows() -> list[dict]:
         # 96 / 80 = 1.2; 96 / 75 = 1.28; 8 streams: 190 / 96 = 1.979; 190 / 200 = 0.95
         _row("default", 1, 96.0, outputs_match=True, cache_hit=0.8, gateway_ms_per_round=1.5),
         _row("default", 8, 190.0, outputs_match=False),
+        _row("peer:vllm", 8, 300.0, outputs_match=None),  # a peer: never compared
+        _row("peer:llamacpp", 8, 250.0, outputs_match=None),
     ]
 
 
@@ -94,6 +113,12 @@ def test_targets_by_hand():
         ("model", "vs_hf_plain"): (1.625, True), ("model", "vs_hf_assisted"): (130 / 75, True),
         ("model", "cache_hit"): (0.9, True), ("model", "gateway_ms"): (0.4, True),
         ("model", "scaling"): (3.0, True), ("model", "vs_target_8"): (1.95, True),
+        ("model", "scaling_16"): (None, None),  # no 16-stream row
+        ("model", "vs_target_all"): (1.95, True),  # min(130 / 40, 390 / 200)
+        ("model", "vs_peer_8"): (1.3, True),  # 390 / the better peer's 300
+        ("model", "vs_peer_16"): (None, None),
+        ("default", "scaling_16"): (None, None), ("default", "vs_target_all"): (0.95, False),
+        ("default", "vs_peer_8"): (190 / 300, False), ("default", "vs_peer_16"): (None, None),
         ("default", "vs_hf_plain"): (1.2, False), ("default", "vs_hf_assisted"): (1.28, False),
         ("default", "cache_hit"): (0.8, True),  # the threshold itself passes
         ("default", "gateway_ms"): (1.5, False),
@@ -102,7 +127,7 @@ def test_targets_by_hand():
     }
     assert set(got) == set(expected)
     for key, (value, passed) in expected.items():
-        assert got[key][0] == pytest.approx(value), key
+        assert got[key][0] == (pytest.approx(value) if value is not None else None), key
         assert got[key][1] is passed, key
 
 

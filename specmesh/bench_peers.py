@@ -1,0 +1,128 @@
+"""Peers in `specmesh bench` (``--peer NAME=URL``): any OpenAI-compatible server (vLLM,
+llama.cpp's llama-server, another SpecMesh gateway's HTTP API) run on the same prompts, at the
+same concurrency levels and in the same run as the mesh's rows, so that the mesh is measured
+next to what a user would deploy instead.
+
+Each request is a streamed ``/completions`` call (greedy: temperature 0, the bench's
+max_new_tokens, ``stream_options.include_usage``), timed like the mesh's gRPC requests: TTFT
+to the first chunk with text, latency to the end of the stream, and the completion tokens
+the server reports in ``usage`` (never counted from the text). A peer's row is a mode keyed
+``peer:NAME``; its outputs are text, not token ids, so the bench does not compare them with
+target-only's (the peers' own decoding is not SpecMesh's guarantee to keep).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+PEER_PREFIX = "peer:"
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    url: str  # the OpenAI base URL, e.g. http://127.0.0.1:8101/v1
+
+    @property
+    def key(self) -> str:
+        return PEER_PREFIX + self.name
+
+
+def parse_peers(values: list[str]) -> list[Peer]:
+    """``NAME=URL`` items (each value may hold several, comma-separated). Raises ValueError
+    with what to fix."""
+    peers: list[Peer] = []
+    for item in (x.strip() for v in values for x in v.split(",")):
+        if not item:
+            continue
+        name, sep, url = item.partition("=")
+        name, url = name.strip(), url.strip().rstrip("/")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--peer takes NAME=URL with an http(s) OpenAI base URL, e.g. "
+                             f"vllm=http://127.0.0.1:8101/v1; got {item!r}")
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"--peer: the name {name!r} may hold only letters, digits, - and _")
+        if any(p.name == name for p in peers):
+            raise ValueError(f"--peer: the name {name!r} is given twice")
+        peers.append(Peer(name, url))
+    return peers
+
+
+def served_model(peer: Peer, timeout_s: float = 10.0) -> str:
+    """The first model the peer lists at ``/models``. Raises OSError (URLError) when it does
+    not answer, ValueError when it answers with no model."""
+    with urllib.request.urlopen(peer.url + "/models", timeout=timeout_s) as resp:
+        data = json.loads(resp.read()).get("data") or []
+    if not data:
+        raise ValueError(f"{peer.url}/models lists no model")
+    return data[0]["id"]
+
+
+def complete_one(peer: Peer, model: str, prompt_index: int, prompt: str, max_new_tokens: int,
+                 timeout_s: float) -> dict:
+    """One streamed completion, as a bench record (specmesh.bench.stream_one's shape)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    rec = {"prompt_index": prompt_index, "token_ids": [], "text": "", "completion_tokens": 0,
+           "rounds": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "ttft_s": None,
+           "latency_s": 0.0, "error": "", "chunks": []}
+    request = urllib.request.Request(peer.url + "/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    usage = None
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                for choice in event.get("choices") or ():
+                    if choice.get("text"):
+                        if rec["ttft_s"] is None:
+                            rec["ttft_s"] = time.perf_counter() - start
+                        rec["text"] += choice["text"]
+                usage = event.get("usage") or usage
+    except (OSError, ValueError) as exc:  # URLError/HTTPError are OSErrors; bad JSON
+        rec["error"] = f"PEER: {exc}"[:200]
+    rec["latency_s"] = time.perf_counter() - start
+    if not rec["error"]:
+        if usage is None:
+            rec["error"] = "PEER: the stream carried no usage (stream_options.include_usage)"
+        else:
+            rec["completion_tokens"] = int(usage.get("completion_tokens", 0))
+    return rec
+
+
+def run_peer_level(peer: Peer, model: str, prompts: list[str], concurrency: int,
+                   max_new_tokens: int, timeout_s: float, advance=None
+                   ) -> tuple[list[dict], float]:
+    """``concurrency`` workers over max(P, concurrency) requests, worker i taking requests
+    i, i + N, ... as the mesh's rows do (specmesh.bench.run_level). Returns the records
+    (sorted by prompt) and the wall time from the first request to the last answer."""
+    n = max(len(prompts), concurrency)
+    records: list[dict] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        for j in range(i, n, concurrency):
+            rec = complete_one(peer, model, j % len(prompts), prompts[j % len(prompts)],
+                               max_new_tokens, timeout_s)
+            with lock:
+                records.append(rec)
+            if advance:
+                advance()
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True, name=f"peer-{i}")
+               for i in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(records, key=lambda r: r["prompt_index"]), time.perf_counter() - start
