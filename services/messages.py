@@ -45,7 +45,7 @@ class DraftResult:
     cached_len: int
     cache_hit: bool
     compute_ms: float
-    batch_size: int = 1  # calls that shared the forward passes
+    batch_size: int = 1  # the largest batch of calls its forward passes ran in
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class VerifyResult:
     cached_len: int
     cache_hit: bool
     compute_ms: float
-    batch_size: int = 1  # calls that shared the forward pass
+    batch_size: int = 1  # the largest batch of calls its forward pass ran in
     logprobs: tuple[TokenLogprobs, ...] = ()  # with VerifyCall.logprobs: num_accepted + 1
 
 

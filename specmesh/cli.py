@@ -34,8 +34,8 @@ MaxQueue = Annotated[int, typer.Option("--max-queue", envvar="SPECMESH_MAX_QUEUE
                                        help="Calls waiting for the model before "
                                             "RESOURCE_EXHAUSTED.")]
 MaxBatch = Annotated[int, typer.Option("--max-batch", envvar="SPECMESH_MAX_BATCH",
-                                       help="Calls of different sessions run in one forward "
-                                            "pass (micro-batching; 1 = off).")]
+                                       help="Most calls of different sessions in one forward "
+                                            "pass (continuous batching; 1 = off).")]
 LogLevel = Annotated[str, typer.Option("--log-level", envvar="SPECMESH_LOG_LEVEL",
                                        help="debug, info, warning or error.")]
 LogFormat = Annotated[str, typer.Option("--log-format", envvar="SPECMESH_LOG_FORMAT",

@@ -75,6 +75,32 @@ def test_models_lists_the_target(client, pair):
     assert [m.id for m in client.models.list().data] == [Path(pair[0]).name]
 
 
+def test_the_bench_runs_an_openai_server_as_a_peer(http_mesh, client):
+    """`specmesh bench --peer`: the mesh's own HTTP door as the peer. Each streamed record
+    carries the text the official client gets for the same greedy request, the completion
+    tokens from the server's usage, and a TTFT within its latency; a server that does not
+    answer is an error on the record, not a crash."""
+    from specmesh.bench_peers import Peer, complete_one, run_peer_level, served_model
+
+    peer = Peer("self", http_mesh[1] + "/v1")
+    model = served_model(peer)
+    assert model == client.models.list().data[0].id
+    records, wall = run_peer_level(peer, model, PROMPTS[:2], 2, 12, 60.0)
+    assert [r["prompt_index"] for r in records] == [0, 1] and wall > 0
+    for rec in records:
+        want = client.completions.create(model=model, prompt=PROMPTS[rec["prompt_index"]],
+                                         max_tokens=12, temperature=0)
+        assert rec["error"] == ""
+        assert rec["text"] == want.choices[0].text
+        assert rec["completion_tokens"] == want.usage.completion_tokens > 0
+        assert 0 < rec["ttft_s"] <= rec["latency_s"]
+    dead = Peer("dead", f"http://127.0.0.1:{free_port()}/v1")
+    with pytest.raises(OSError):
+        served_model(dead)
+    rec = complete_one(dead, model, 0, "x", 4, 5.0)
+    assert rec["error"].startswith("PEER:") and rec["completion_tokens"] == 0
+
+
 def test_greedy_completion_equals_hf_generate(client, target, pair):
     model, tokenizer = target
     for prompt in PROMPTS:
@@ -406,28 +432,3 @@ def test_readiness_follows_grpc_health_through_a_drain(http_mesh):
     assert 503 in seen, seen
 
 
-
-def test_the_bench_runs_an_openai_server_as_a_peer(http_mesh, client):
-    """`specmesh bench --peer`: the mesh's own HTTP door as the peer. Each streamed record
-    carries the text the official client gets for the same greedy request, the completion
-    tokens from the server's usage, and a TTFT within its latency; a server that does not
-    answer is an error on the record, not a crash."""
-    from specmesh.bench_peers import Peer, complete_one, run_peer_level, served_model
-
-    peer = Peer("self", http_mesh[1] + "/v1")
-    model = served_model(peer)
-    assert model == client.models.list().data[0].id
-    records, wall = run_peer_level(peer, model, PROMPTS[:2], 2, 12, 60.0)
-    assert [r["prompt_index"] for r in records] == [0, 1] and wall > 0
-    for rec in records:
-        want = client.completions.create(model=model, prompt=PROMPTS[rec["prompt_index"]],
-                                         max_tokens=12, temperature=0)
-        assert rec["error"] == ""
-        assert rec["text"] == want.choices[0].text
-        assert rec["completion_tokens"] == want.usage.completion_tokens > 0
-        assert 0 < rec["ttft_s"] <= rec["latency_s"]
-    dead = Peer("dead", f"http://127.0.0.1:{free_port()}/v1")
-    with pytest.raises(OSError):
-        served_model(dead)
-    rec = complete_one(dead, model, 0, "x", 4, 5.0)
-    assert rec["error"].startswith("PEER:") and rec["completion_tokens"] == 0
