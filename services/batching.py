@@ -150,16 +150,15 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
             live.append(i)
         except Exception as exc:  # noqa: BLE001 - a bad job must not fail the others
             errors[i] = exc
-    if live:
+    try:
+        logits = forward_rows(model, rows, device, new_cache) if rows else []
+    except Exception as exc:  # noqa: BLE001 - the pass failed: every job in it did
+        for i in live:
+            errors[i] = exc
+        return errors, (time.perf_counter() - start) * 1000.0
+    for i, lg in zip(live, logits, strict=True):
         try:
-            logits = forward_rows(model, rows, device, new_cache)
-        except Exception as exc:  # noqa: BLE001 - the pass failed: every job in it did
-            logits = None
-            for i in live:
-                errors[i] = exc
-        for i, lg in zip(live, logits or (), strict=False):
-            try:
-                jobs[i].take(lg)
-            except Exception as exc:  # noqa: BLE001
-                errors[i] = exc
+            jobs[i].take(lg)
+        except Exception as exc:  # noqa: BLE001
+            errors[i] = exc
     return errors, (time.perf_counter() - start) * 1000.0

@@ -35,6 +35,7 @@ over one row and one over four. ``pack=False`` (the ``lean`` mode) runs PyTorch'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -215,7 +216,6 @@ class LeanLlama(torch.nn.Module):
         x = self._rms(x[:, -keep:], self.hf.model.norm.weight)
         return LeanOutput(logits=self._lm_head(x))  # [B, keep, V]
 
-
     @torch.inference_mode()
     def forward_ragged(self, rows) -> list[torch.Tensor]:
         """One pass over several sessions' new tokens, each on its own KV cache, read and
@@ -223,7 +223,8 @@ class LeanLlama(torch.nn.Module):
         projections and the LM head run once over all the rows' tokens together (that is
         where batching pays: each weight is read once for the whole batch); attention runs
         per row on a view of that row's own cache. ``rows``: services.batching.Row, each
-        with a SlabCache holding ``start`` positions. Returns per row logits [keep_b, V].
+        with a cache (``new_cache()``'s, or a transformers ``Cache``: only ``update`` is used)
+        holding ``start`` positions. Returns per row logits [keep_b, V].
 
             tokens of all rows, concatenated:  T = sum m_b
             x [1, T, h] ; per layer  q [H, T, D], k, v [KV, T, D]
@@ -231,7 +232,7 @@ class LeanLlama(torch.nn.Module):
         """
         H, KV, D = self._heads, self._kv_heads, self._head_dim
         sizes = [len(r.tokens) for r in rows]
-        ends = torch.tensor(sizes).cumsum(0).tolist()
+        ends = list(accumulate(sizes))
         starts = [e - m for e, m in zip(ends, sizes, strict=True)]
         T = ends[-1]
         dev = self.hf.model.embed_tokens.weight.device

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -35,6 +35,7 @@ from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, mo
 from specmesh.bench_machine import count_params, machine_info
 from specmesh.bench_modes import HF_KEYS, MODE_KEYS, TARGET_KEY, Mode, hf_threads, make_modes
 from specmesh.bench_peers import Peer, parse_peers, run_peer_level, served_model
+from specmesh.bench_workers import run_workers
 from specmesh.up_cli import default_pair
 
 
@@ -93,38 +94,23 @@ def run_level(address: str, mode: Mode, prompts: list[str], concurrency: int,
               opts: BenchOptions, advance=None) -> tuple[list[dict], float]:
     """One cell: ``concurrency`` workers over max(P, concurrency) requests (see the module
     docstring). Returns the records (sorted by prompt) and the wall time."""
+    n = max(len(prompts), concurrency)
+    return run_workers(
+        concurrency, n, lambda client, j: stream_one(client, j % len(prompts),
+                                                     prompts[j % len(prompts)], mode, opts),
+        connect=lambda: _ready_client(address), advance=advance)
+
+
+@contextmanager
+def _ready_client(address: str):
+    """A gateway client whose channel is connected (a worker's start is not timed)."""
     import grpc
 
     from specmesh.client import GatewayClient
 
-    n = max(len(prompts), concurrency)
-    records: list[dict] = []
-    lock = threading.Lock()
-    ready = threading.Barrier(concurrency + 1)
-
-    def worker(i: int) -> None:
-        with GatewayClient(address) as client:
-            try:
-                grpc.channel_ready_future(client.channel).result(timeout=30)
-            finally:
-                ready.wait()
-            for j in range(i, n, concurrency):
-                rec = stream_one(client, j % len(prompts), prompts[j % len(prompts)], mode, opts)
-                with lock:
-                    records.append(rec)
-                if advance:
-                    advance()
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True, name=f"bench-{i}")
-               for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    ready.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    return sorted(records, key=lambda r: r["prompt_index"]), wall
+    with GatewayClient(address) as client:
+        grpc.channel_ready_future(client.channel).result(timeout=30)
+        yield client
 
 
 def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchOptions,

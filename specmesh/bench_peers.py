@@ -14,11 +14,12 @@ target-only's (the peers' own decoding is not SpecMesh's guarantee to keep).
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+
+from specmesh.bench_workers import run_workers
 
 PEER_PREFIX = "peer:"
 
@@ -102,27 +103,10 @@ def complete_one(peer: Peer, model: str, prompt_index: int, prompt: str, max_new
 def run_peer_level(peer: Peer, model: str, prompts: list[str], concurrency: int,
                    max_new_tokens: int, timeout_s: float, advance=None
                    ) -> tuple[list[dict], float]:
-    """``concurrency`` workers over max(P, concurrency) requests, worker i taking requests
-    i, i + N, ... as the mesh's rows do (specmesh.bench.run_level). Returns the records
-    (sorted by prompt) and the wall time from the first request to the last answer."""
+    """One cell, as the mesh's rows run theirs (specmesh.bench_workers.run_workers): the
+    records (sorted by prompt) and the wall time."""
     n = max(len(prompts), concurrency)
-    records: list[dict] = []
-    lock = threading.Lock()
-
-    def worker(i: int) -> None:
-        for j in range(i, n, concurrency):
-            rec = complete_one(peer, model, j % len(prompts), prompts[j % len(prompts)],
-                               max_new_tokens, timeout_s)
-            with lock:
-                records.append(rec)
-            if advance:
-                advance()
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True, name=f"peer-{i}")
-               for i in range(concurrency)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sorted(records, key=lambda r: r["prompt_index"]), time.perf_counter() - start
+    return run_workers(
+        concurrency, n, lambda _, j: complete_one(peer, model, j % len(prompts),
+                                                  prompts[j % len(prompts)], max_new_tokens,
+                                                  timeout_s), advance=advance)
