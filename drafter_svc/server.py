@@ -7,7 +7,7 @@ from opentelemetry import trace
 
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.ngram import NgramDrafterEngine
-from services.call_stream import Drain, serve_calls
+from services.call_stream import Drain, serve_batch, serve_calls
 from services.config import ModelServiceConfig
 from services.convert import (
     draft_call_from_pb,
@@ -50,23 +50,29 @@ class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
 
     async def DraftStream(self, requests, context):
         """Draft and Speculate calls over one stream (services/call_stream.py)."""
+        await serve_calls(requests, context, self._run_call, _reply, self.drain)
 
-        async def run_call(request, call_context):
-            if request.HasField("speculate"):
-                return await self.Speculate(request.speculate, call_context)
-            if request.HasField("draft"):
-                return await self.Draft(request.draft, call_context)
-            await call_context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                     "a DraftStream request needs a draft or a speculate call")
+    @grpc_errors
+    async def DraftBatch(self, request, context):
+        """A gateway's step: Draft calls of many sessions, batched on the model."""
+        outcomes = await serve_batch(request.calls, context, self._run_call, _reply, self.drain)
+        return drafter_pb2.DraftBatchResponse(outcomes=outcomes)
 
-        def reply(call_id, result, error):
-            if error is not None:
-                return drafter_pb2.DraftStreamResponse(id=call_id, error=error)
-            if isinstance(result, drafter_pb2.SpeculateResponse):
-                return drafter_pb2.DraftStreamResponse(id=call_id, speculate=result)
-            return drafter_pb2.DraftStreamResponse(id=call_id, draft=result)
+    async def _run_call(self, request, call_context):
+        if request.HasField("speculate"):
+            return await self.Speculate(request.speculate, call_context)
+        if request.HasField("draft"):
+            return await self.Draft(request.draft, call_context)
+        await call_context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "a DraftStream request needs a draft or a speculate call")
 
-        await serve_calls(requests, context, run_call, reply, self.drain)
+
+def _reply(call_id, result, error) -> drafter_pb2.DraftStreamResponse:
+    if error is not None:
+        return drafter_pb2.DraftStreamResponse(id=call_id, error=error)
+    if isinstance(result, drafter_pb2.SpeculateResponse):
+        return drafter_pb2.DraftStreamResponse(id=call_id, speculate=result)
+    return drafter_pb2.DraftStreamResponse(id=call_id, draft=result)
 
 
 def build_engine(config: ModelServiceConfig) -> DrafterEngine | NgramDrafterEngine:

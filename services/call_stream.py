@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.errors import RESYNC_KEY, RESYNC_VALUE
+from services.errors import RESYNC_KEY, RESYNC_VALUE, InvalidArgument
 from specmesh.v1 import common_pb2
 
 
@@ -77,6 +77,25 @@ class CallContext:
         return self._stream.peer()
 
 
+MAX_BATCH_CALLS = 256  # calls in one VerifyBatch / DraftBatch
+
+
+async def _answer(request, context, run: Callable[[object, CallContext], Awaitable[object]],
+                  reply: Callable[[int, object | None, common_pb2.CallError | None], object],
+                  drain: Drain | None):
+    """The reply to one call: its response, or the status its unary RPC would have ended
+    with (UNAVAILABLE while ``drain`` is draining)."""
+    try:
+        if drain is not None and drain.draining:
+            return reply(request.id, None, _DRAINING)
+        return reply(request.id, await run(request, CallContext(context)), None)
+    except CallAborted as aborted:
+        return reply(request.id, None, aborted.to_pb())
+    except Exception as exc:  # noqa: BLE001 - a call's failure must not end the stream
+        return reply(request.id, None, common_pb2.CallError(
+            code=grpc.StatusCode.INTERNAL.value[0], message=f"internal error: {exc}"))
+
+
 async def serve_calls(requests: AsyncIterator, context,
                       run: Callable[[object, CallContext], Awaitable[object]],
                       reply: Callable[[int, object | None, common_pb2.CallError | None], object],
@@ -88,16 +107,7 @@ async def serve_calls(requests: AsyncIterator, context,
     running: set[asyncio.Task] = set()
 
     async def one(request) -> None:
-        try:
-            if drain is not None and drain.draining:
-                out = reply(request.id, None, _DRAINING)
-            else:
-                out = reply(request.id, await run(request, CallContext(context)), None)
-        except CallAborted as aborted:
-            out = reply(request.id, None, aborted.to_pb())
-        except Exception as exc:  # noqa: BLE001 - a call's failure must not end the stream
-            out = reply(request.id, None, common_pb2.CallError(
-                code=grpc.StatusCode.INTERNAL.value[0], message=f"internal error: {exc}"))
+        out = await _answer(request, context, run, reply, drain)
         async with write_lock:  # one message at a time on the stream
             await context.write(out)
 
@@ -107,3 +117,21 @@ async def serve_calls(requests: AsyncIterator, context,
         task.add_done_callback(running.discard)
     if running:
         await asyncio.gather(*running, return_exceptions=True)
+
+
+async def serve_batch(requests, context,
+                      run: Callable[[object, CallContext], Awaitable[object]],
+                      reply: Callable[[int, object | None, common_pb2.CallError | None], object],
+                      drain: Drain | None = None) -> list:
+    """The replies to the calls of one batched RPC (VerifyBatch, DraftBatch), each call
+    answered as on a stream. They start in one turn of the event loop, so each reaches the
+    model's queue before the model thread takes its next step: they share one pass.
+    Raises InvalidArgument for an empty or oversized batch; a second call for one session
+    answers ABORTED (the session is busy), as a concurrent unary call would."""
+    if not requests:
+        raise InvalidArgument("a batch needs at least one call")
+    if len(requests) > MAX_BATCH_CALLS:
+        raise InvalidArgument(f"a batch holds at most {MAX_BATCH_CALLS} calls, got "
+                              f"{len(requests)}: split it")
+    return list(await asyncio.gather(*(_answer(r, context, run, reply, drain)
+                                       for r in requests)))

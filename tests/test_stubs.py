@@ -71,8 +71,8 @@ def test_gateway_methods_and_streaming_shape():
 
 def test_internal_services_methods():
     for module, name, calls, stream in (
-            (drafter_pb2, "Drafter", ("Draft", "Speculate"), "DraftStream"),
-            (verifier_pb2, "Verifier", ("Verify",), "VerifyStream")):
+            (drafter_pb2, "Drafter", ("Draft", "Speculate", "DraftBatch"), "DraftStream"),
+            (verifier_pb2, "Verifier", ("Verify", "VerifyBatch"), "VerifyStream")):
         svc = _service(module, name)
         assert svc.full_name == f"specmesh.v1.{name}"
         methods = {m.name: (m.client_streaming, m.server_streaming) for m in svc.methods}
@@ -80,6 +80,12 @@ def test_internal_services_methods():
                            "Release": (False, False), "GetModelInfo": (False, False),
                            "GetStats": (False, False)}
         assert svc.methods_by_name["GetModelInfo"].output_type is common_pb2.ModelInfo.DESCRIPTOR
+        # a step's batch carries the stream's own requests and answers each with its response
+        batch = svc.methods_by_name[calls[-1]]
+        assert batch.input_type.fields_by_name["calls"].message_type is \
+            svc.methods_by_name[stream].input_type
+        assert batch.output_type.fields_by_name["outcomes"].message_type is \
+            svc.methods_by_name[stream].output_type
 
 
 def _fields(message) -> dict[str, FieldDescriptor]:

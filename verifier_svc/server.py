@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from services.call_stream import Drain, serve_calls
+from services.call_stream import Drain, serve_batch, serve_calls
 from services.config import ModelServiceConfig
 from services.convert import verify_call_from_pb, verify_result_to_pb
 from services.errors import grpc_errors
@@ -33,14 +33,22 @@ class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
 
     async def VerifyStream(self, requests, context):
         """Verify calls over one stream (services/call_stream.py)."""
+        await serve_calls(requests, context, self._run_call, _reply, self.drain)
 
-        def reply(call_id, result, error):
-            if error is not None:
-                return verifier_pb2.VerifyStreamResponse(id=call_id, error=error)
-            return verifier_pb2.VerifyStreamResponse(id=call_id, result=result)
+    @grpc_errors
+    async def VerifyBatch(self, request, context):
+        """A gateway's step: Verify calls of many sessions, in one forward pass."""
+        outcomes = await serve_batch(request.calls, context, self._run_call, _reply, self.drain)
+        return verifier_pb2.VerifyBatchResponse(outcomes=outcomes)
 
-        await serve_calls(requests, context, lambda r, ctx: self.Verify(r.call, ctx), reply,
-                          self.drain)
+    def _run_call(self, request, call_context):
+        return self.Verify(request.call, call_context)
+
+
+def _reply(call_id, result, error) -> verifier_pb2.VerifyStreamResponse:
+    if error is not None:
+        return verifier_pb2.VerifyStreamResponse(id=call_id, error=error)
+    return verifier_pb2.VerifyStreamResponse(id=call_id, result=result)
 
 
 def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:

@@ -104,3 +104,15 @@ class DraftStreamResponse(_message.Message):
     speculate: SpeculateResponse
     error: _common_pb2.CallError
     def __init__(self, id: _Optional[int] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., speculate: _Optional[_Union[SpeculateResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
+
+class DraftBatchRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[DraftStreamRequest]
+    def __init__(self, calls: _Optional[_Iterable[_Union[DraftStreamRequest, _Mapping]]] = ...) -> None: ...
+
+class DraftBatchResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[DraftStreamResponse]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[DraftStreamResponse, _Mapping]]] = ...) -> None: ...

@@ -51,6 +51,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftStreamRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftStreamResponse.FromString,
                 _registered_method=True)
+        self.DraftBatch = channel.unary_unary(
+                '/specmesh.v1.Drafter/DraftBatch',
+                request_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftBatchRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftBatchResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specmesh.v1.Drafter/Release',
                 request_serializer=specmesh_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -95,6 +100,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftBatch(self, request, context):
+        """Draft (or Speculate) calls of several sessions in one RPC: a gateway's step
+        (see Verifier.VerifyBatch). The draft calls join one batch on the model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the session's draft cache.
         """
@@ -131,6 +144,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.DraftStream,
                     request_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftStreamRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftStreamResponse.SerializeToString,
+            ),
+            'DraftBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftBatch,
+                    request_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftBatchRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftBatchResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -230,6 +248,33 @@ class Drafter:
             '/specmesh.v1.Drafter/DraftStream',
             specmesh_dot_v1_dot_drafter__pb2.DraftStreamRequest.SerializeToString,
             specmesh_dot_v1_dot_drafter__pb2.DraftStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Drafter/DraftBatch',
+            specmesh_dot_v1_dot_drafter__pb2.DraftBatchRequest.SerializeToString,
+            specmesh_dot_v1_dot_drafter__pb2.DraftBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

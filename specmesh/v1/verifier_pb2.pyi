@@ -70,3 +70,15 @@ class VerifyStreamResponse(_message.Message):
     result: VerifyResponse
     error: _common_pb2.CallError
     def __init__(self, id: _Optional[int] = ..., result: _Optional[_Union[VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
+
+class VerifyBatchRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[VerifyStreamRequest]
+    def __init__(self, calls: _Optional[_Iterable[_Union[VerifyStreamRequest, _Mapping]]] = ...) -> None: ...
+
+class VerifyBatchResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[VerifyStreamResponse]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[VerifyStreamResponse, _Mapping]]] = ...) -> None: ...

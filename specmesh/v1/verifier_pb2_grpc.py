@@ -47,6 +47,11 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyStreamRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyStreamResponse.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/specmesh.v1.Verifier/VerifyBatch',
+                request_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specmesh.v1.Verifier/Release',
                 request_serializer=specmesh_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -85,6 +90,16 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyBatch(self, request, context):
+        """Verify calls of several sessions in one RPC: a gateway's step (it sends one
+        per replica while the previous one runs). They join one forward pass, and
+        each is answered on its own, as on VerifyStream: a failed call fails only
+        itself. 1..256 calls; a second call for one session answers ABORTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the session's target cache.
         """
@@ -116,6 +131,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.VerifyStream,
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyStreamRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyStreamResponse.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyBatchResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -189,6 +209,33 @@ class Verifier:
             '/specmesh.v1.Verifier/VerifyStream',
             specmesh_dot_v1_dot_verifier__pb2.VerifyStreamRequest.SerializeToString,
             specmesh_dot_v1_dot_verifier__pb2.VerifyStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Verifier/VerifyBatch',
+            specmesh_dot_v1_dot_verifier__pb2.VerifyBatchRequest.SerializeToString,
+            specmesh_dot_v1_dot_verifier__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
