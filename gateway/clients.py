@@ -5,7 +5,6 @@ from __future__ import annotations
 import grpc
 
 from gateway.replicas import Replica
-from gateway.streams import StreamUnsupported
 from services.convert import (
     draft_call_to_pb,
     draft_result_from_pb,
@@ -35,19 +34,10 @@ class ReplicaFailed(Exception):
         self.code = code
 
 
-_STREAMED = frozenset({"Draft", "Speculate", "Verify"})  # calls a replica's stream carries
-
-
 async def _call(replica: Replica, method: str, request, timeout: float):
     replica.inflight += 1
     try:
-        stream = replica.stream if method in _STREAMED else None
-        if stream is not None and stream.supported:
-            try:
-                return await stream.call(request, timeout)
-            except StreamUnsupported:
-                pass  # an older replica: unary calls from now on
-        return await getattr(replica.stub, method)(request, timeout=timeout)
+        return await replica.call(method, request, timeout)
     except grpc.aio.AioRpcError as err:
         code = err.code()
         trailing = dict(err.trailing_metadata() or ())

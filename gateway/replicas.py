@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.streams import CallStream, replica_stream
-from specmesh.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+from gateway.step_batch import StepBatcher
+from gateway.streams import CallStream, StreamUnsupported, replica_stream, wrap_draft, wrap_verify
+from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 # A restarted replica is found again within ~1 s instead of gRPC's default backoff of up to 2 min.
 _RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
@@ -34,19 +35,57 @@ class Replica:
     load: dict = field(default_factory=dict)  # last load the replica reported (redis registry)
     admitted: bool = True  # False while a discovered replica's model is being checked
     stream: CallStream | None = None  # its call stream, when the pool uses them
+    steps: dict[str, StepBatcher] = field(default_factory=dict)  # method -> its step batcher
 
     @property
     def up(self) -> bool:
         return time.monotonic() >= self.down_until
+
+    async def call(self, method: str, request, timeout: float):
+        """``method``'s response; raises AioRpcError as its unary RPC would. Draft and
+        Verify go through the method's step batcher when the pool batches steps."""
+        batcher = self.steps.get(method)
+        if batcher is not None:
+            return await batcher.call(request, timeout)
+        return await self.send(method, request, timeout)
+
+    async def send(self, method: str, request, timeout: float):
+        """One call on its own: over the call stream when there is one, else a unary RPC."""
+        if method in _STREAMED and self.stream is not None and self.stream.supported:
+            try:
+                return await self.stream.call(request, timeout)
+            except StreamUnsupported:
+                pass  # an older replica: unary calls from now on
+        return await getattr(self.stub, method)(request, timeout=timeout)
+
+    def batch_steps(self, kind: str) -> None:
+        """Sends this replica's Draft or Verify calls a step at a time (gateway/step_batch.py)."""
+        method, rpc, wrap, reply = _BATCHED[kind]
+
+        async def send_batch(requests, timeout: float):
+            batch = await getattr(self.stub, rpc)(
+                reply(calls=[wrap(i, r) for i, r in enumerate(requests)]), timeout=timeout)
+            return batch.outcomes
+
+        self.steps[method] = StepBatcher(
+            method, lambda request, timeout: self.send(method, request, timeout), send_batch)
+
+
+_STREAMED = frozenset({"Draft", "Speculate", "Verify"})  # calls a replica's stream carries
+# kind -> (the method batched in steps, its batched RPC, how a call is wrapped, the request)
+_BATCHED = {"verifier": ("Verify", "VerifyBatch", wrap_verify, verifier_pb2.VerifyBatchRequest),
+            "drafter": ("Draft", "DraftBatch", wrap_draft, drafter_pb2.DraftBatchRequest)}
 
 
 class ReplicaPool:
     def __init__(self, kind: str, addresses: tuple[str, ...], retry_s: float,
                  channel_options: list[tuple[str, int]], interceptors: list | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
-                 streams: bool = False) -> None:
+                 streams: bool = False, steps: bool = False) -> None:
         """``streams``: Draft, Speculate and Verify go over one call stream per replica
-        (gateway/streams.py) instead of a unary RPC each."""
+        (gateway/streams.py) instead of a unary RPC each. ``steps``: Draft and Verify calls
+        made while one is in flight go together, as one batched RPC per replica and step
+        (gateway/step_batch.py)."""
         self._stub_cls = {"drafter": drafter_pb2_grpc.DrafterStub,
                           "verifier": verifier_pb2_grpc.VerifierStub}[kind]
         self.kind = kind
@@ -55,6 +94,7 @@ class ReplicaPool:
         self._interceptors = interceptors or None
         self._credentials = credentials  # None: plaintext; else TLS (mTLS with a client cert)
         self._streams = streams
+        self._steps = steps
         self.replicas: dict[str, Replica] = {}
         self.update(frozenset(addresses))
 
@@ -70,9 +110,12 @@ class ReplicaPool:
                 channel = grpc.aio.secure_channel(address, self._credentials, options=self._options,
                                                   interceptors=self._interceptors)
             stub = self._stub_cls(channel)
-            self.replicas[address] = Replica(address, channel, stub, stream=replica_stream(
+            replica = Replica(address, channel, stub, stream=replica_stream(
                 self.kind, stub) if self._streams else None)
-            added.append(self.replicas[address])
+            if self._steps:
+                replica.batch_steps(self.kind)
+            self.replicas[address] = replica
+            added.append(replica)
         for address in self.replicas.keys() - addresses:
             replica = self.replicas.pop(address)
             if replica.stream is not None:

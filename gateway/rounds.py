@@ -105,10 +105,11 @@ class RoundResult:
         return list(self.drafted[: self.num_accepted]) + [self.extra_token]
 
 
-def fanout_share(fanout: int, busy: int) -> int:
-    """The branches one speculation call gets while its drafter serves ``busy`` other calls:
-    all of them while it is idle, none while it is not."""
-    return fanout if busy == 0 else 0
+def fanout_share(fanout: int, busy: int, requests: int = 1, max_requests: int = 1) -> int:
+    """The branches one speculation call gets while its drafter serves ``busy`` other calls
+    and the gateway runs ``requests`` requests: all of them while the drafter is idle and
+    the gateway runs at most ``max_requests``, else none."""
+    return fanout if busy == 0 and requests <= max_requests else 0
 
 
 def commit_round(h: SessionHandle, r: RoundResult, kept: list[int]) -> None:
@@ -135,10 +136,12 @@ def _common_prefix(a, b) -> int:
 
 class RoundRunner:
     def __init__(self, config: GatewayConfig, drafters: ReplicaPool,
-                 verifiers: ReplicaPool) -> None:
+                 verifiers: ReplicaPool, requests: Callable[[], int] = lambda: 1) -> None:
+        """``requests``: how many requests the gateway runs now (trees back off under load)."""
         self.config = config
         self.drafters = drafters
         self.verifiers = verifiers
+        self._requests = requests
 
     async def run(self, h: SessionHandle, params: SamplingParams, k: int, kind: str, seed: int,
                   round_index: int, deadline: Callable[[], float | None],
@@ -201,13 +204,16 @@ class RoundRunner:
 
     def _fanout(self, replica) -> int:
         """Branches to ask for: the configured fan-out when the drafter serves no other call
-        for this gateway, else none. A tree runs alone on the drafter's model thread (its
-        passes already hold many tokens), so it holds back the continuous batch of other
-        sessions' draft calls, which are on their rounds' critical paths. Side by side on one
-        mesh (docs/performance.md), against fan-out ÷ (1 + b)² for b other calls: equal at 2
-        and 8 streams, 4 streams 200-270 against 146-179 tokens/s."""
+        for this gateway and the gateway runs at most --spec-max-requests requests, else
+        none. A tree runs alone on the drafter's model thread (its passes already hold many
+        tokens), so it holds back the batch of other sessions' draft calls, which are on
+        their rounds' critical paths; and where drafter and verifier share cores its CPU
+        slows the verifier's passes. Side by side on one 2-core mesh with step batching
+        (docs/performance.md), trees against none: 1 stream +37%, 2 equal, 4 to 16 streams
+        5-9% slower."""
         busy = replica.inflight + replica.load.get("queue_depth", 0)
-        return fanout_share(self.config.spec_fanout, busy)
+        return fanout_share(self.config.spec_fanout, busy, self._requests(),
+                            self.config.spec_max_requests)
 
     async def _speculate(self, h: SessionHandle, params: SamplingParams, drafted: DraftResult,
                          valid: int, k: int, seed: int, acceptance: float,

@@ -173,10 +173,11 @@ async def _main(config: GatewayConfig, telemetry: Telemetry, wait_s: float) -> N
     creds = channel_credentials(config.server.tls) if config.server.tls.mutual else None
     # Call streams are cheaper per call, but a trace follows unary calls (one span each).
     streams = not telemetry.tracing
+    steps = config.step_batching
     verifiers = ReplicaPool("verifier", config.verifiers if static else (),
-                            config.replica_retry_s, options, interceptors, creds, streams)
+                            config.replica_retry_s, options, interceptors, creds, streams, steps)
     drafters = ReplicaPool("drafter", config.drafters if static else (),
-                           config.replica_retry_s, options, interceptors, creds, streams)
+                           config.replica_retry_s, options, interceptors, creds, streams, steps)
     loop = asyncio.get_running_loop()
     followers = {"verifier": _Follower(verifiers, loop), "drafter": _Follower(drafters, loop)}
     watchers = _start_discovery(config, followers) if config.discovery == "kubernetes" else []

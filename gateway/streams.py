@@ -39,14 +39,14 @@ _NO_OUTCOME = common_pb2.CallError(code=grpc.StatusCode.INTERNAL.value[0],
                                    message="the replica answered a stream call with no result")
 
 
-def _outcome(message) -> tuple[object | None, common_pb2.CallError | None]:
-    """(the call's response, None) or (None, its CallError) of a stream response; both kinds
-    of response carry them in a oneof named ``outcome``."""
+def outcome_error(message) -> tuple[object | None, AioRpcError | None]:
+    """(the call's response, None) or (None, the error its unary RPC would have raised) of
+    a stream response; both kinds of response carry them in a oneof named ``outcome``."""
     which = message.WhichOneof("outcome")
-    if which is None:
-        return None, _NO_OUTCOME
-    if which == "error":
-        return None, message.error
+    error = _NO_OUTCOME if which is None else message.error if which == "error" else None
+    if error is not None:
+        return None, rpc_error(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message,
+                               error.resync)
     return getattr(message, which), None
 
 
@@ -109,14 +109,12 @@ class CallStream:
         failure: Exception = rpc_error(grpc.StatusCode.UNAVAILABLE, "the call stream ended")
         try:
             async for message in stream:
-                response, error = _outcome(message)
+                response, error = outcome_error(message)
                 future = self._pending.get(message.id)
                 if future is None or future.done():
                     continue  # its caller gave up (timeout, cancelled)
                 if error is not None:
-                    future.set_exception(rpc_error(
-                        _CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message,
-                        error.resync))
+                    future.set_exception(error)
                 else:
                     future.set_result(response)
         except AioRpcError as exc:  # the stream itself ended: the replica is unreachable
@@ -142,15 +140,18 @@ class CallStream:
             self._reader.cancel()
 
 
+def wrap_verify(call_id: int, request) -> verifier_pb2.VerifyStreamRequest:
+    return verifier_pb2.VerifyStreamRequest(id=call_id, call=request)
+
+
+def wrap_draft(call_id: int, request) -> drafter_pb2.DraftStreamRequest:
+    if isinstance(request, drafter_pb2.SpeculateRequest):
+        return drafter_pb2.DraftStreamRequest(id=call_id, speculate=request)
+    return drafter_pb2.DraftStreamRequest(id=call_id, draft=request)
+
+
 def replica_stream(kind: str, stub) -> CallStream:
     """The call stream of a verifier's or a drafter's stub."""
     if kind == "verifier":
-        return CallStream(stub.VerifyStream,
-                          lambda i, r: verifier_pb2.VerifyStreamRequest(id=i, call=r))
-
-    def wrap(i: int, request):
-        if isinstance(request, drafter_pb2.SpeculateRequest):
-            return drafter_pb2.DraftStreamRequest(id=i, speculate=request)
-        return drafter_pb2.DraftStreamRequest(id=i, draft=request)
-
-    return CallStream(stub.DraftStream, wrap)
+        return CallStream(stub.VerifyStream, wrap_verify)
+    return CallStream(stub.DraftStream, wrap_draft)

@@ -211,6 +211,8 @@ class GatewayConfig:
     default_drafter_kind: str = "model"
     pipeline: bool = True  # speculation cache: draft round r+1 while round r is being verified
     spec_fanout: int = 16  # most branches of the speculation cache per round
+    spec_max_requests: int = 1  # trees only while the gateway runs at most this many requests
+    step_batching: bool = True  # Draft/Verify calls made meanwhile go as one RPC per step
     discovery: str = "static"  # or "kubernetes": follow the EndpointSlices of two Services
     namespace: str = "default"
     drafter_service: str = ""
@@ -234,6 +236,7 @@ class GatewayConfig:
         _require(1 <= self.max_adaptive_k <= 64, "max adaptive k must be in 1..64")
         _require(1 <= self.max_support <= 256, "max support must be in 1..256")
         _require(1 <= self.spec_fanout <= 64, "speculation fan-out must be in 1..64")
+        _require(self.spec_max_requests >= 1, "speculation max requests must be >= 1")
         _require(1 <= self.default_max_new_tokens <= self.max_new_tokens_cap,
                  "default max new tokens must be in 1..max_new_tokens_cap")
         _require(self.session_ttl_s >= 1, "session TTL must be >= 1 s")

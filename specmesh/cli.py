@@ -207,10 +207,21 @@ def gateway(
         "--pipeline/--no-pipeline", envvar="SPECMESH_PIPELINE",
         help="Speculation cache: while the verifier checks a round, the model drafter drafts "
              "the next round for its likely outcomes; a hit needs no draft call.")] = True,
+    step_batching: Annotated[bool, typer.Option(
+        "--step-batching/--no-step-batching", envvar="SPECMESH_STEP_BATCHING",
+        help="Draft and Verify calls made while one to the same replica is in flight go "
+             "together as its next step, one batched RPC: under load each forward pass "
+             "holds every session that is ready.")] = True,
     spec_fanout: Annotated[int, typer.Option(
         envvar="SPECMESH_SPEC_FANOUT", min=1, max=64,
         help="Most branches (outcomes) the speculation cache drafts per round, while the "
              "drafter serves no other call (none while it does).")] = 16,
+    spec_max_requests: Annotated[int, typer.Option(
+        envvar="SPECMESH_SPEC_MAX_REQUESTS", min=1,
+        help="The speculation cache drafts only while the gateway runs at most this many "
+             "requests: where drafter and verifier share cores a tree's CPU slows the "
+             "verifier under load. Raise it when the drafters have hardware of their "
+             "own.")] = 1,
     max_support: Annotated[int, typer.Option(envvar="SPECMESH_MAX_SUPPORT",
                                              help="Largest sparse-q support per position.")] = 32,
     default_max_new_tokens: Annotated[int, typer.Option(
@@ -273,6 +284,7 @@ def gateway(
             num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
             max_support=max_support,
             default_drafter_kind=default_drafter_kind, pipeline=pipeline, spec_fanout=spec_fanout,
+            step_batching=step_batching, spec_max_requests=spec_max_requests,
             discovery=discovery,
             namespace=namespace, drafter_service=drafter_service,
             verifier_service=verifier_service, drafter_port=drafter_port,

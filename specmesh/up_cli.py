@@ -79,6 +79,13 @@ def up(
     spec_fanout: Annotated[int | None, typer.Option(
         min=1, max=64, help="Gateway: most branches the speculation cache drafts per "
                             "round.")] = None,
+    spec_max_requests: Annotated[int | None, typer.Option(
+        min=1, help="Gateway: the speculation cache drafts only while the gateway runs at "
+                    "most this many requests (default 1).")] = None,
+    step_batching: Annotated[bool | None, typer.Option(
+        "--step-batching/--no-step-batching",
+        help="Gateway: calls to a replica made while one is in flight go as one batched RPC "
+             "(default on).")] = None,
     default_drafter_kind: Annotated[str | None, typer.Option(
         help="Gateway: drafter kind for requests that name none (model or ngram).")] = None,
     default_max_new_tokens: Annotated[int | None, typer.Option(
@@ -104,6 +111,7 @@ def up(
                        gateway_args=_gateway_args(
                            num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
                            pipeline=pipeline, spec_fanout=spec_fanout,
+                           spec_max_requests=spec_max_requests, step_batching=step_batching,
                            default_drafter_kind=default_drafter_kind,
                            default_max_new_tokens=default_max_new_tokens,
                            max_new_tokens_cap=max_new_tokens_cap, max_inflight=max_inflight,

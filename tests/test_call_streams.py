@@ -17,12 +17,14 @@ import pytest
 
 from gateway import clients
 from gateway.replicas import ReplicaPool
+from services.convert import verify_call_to_pb
 from services.errors import InvalidArgument, ResyncRequired
 from services.hashing import token_hash
 from services.health import wait_serving
 from services.local_mesh import free_port
 from services.messages import CacheDelta, DraftCall, SpeculateCall, VerifyCall
 from services.params import SamplingParams
+from specmesh.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import hf_greedy
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -257,3 +259,82 @@ def test_a_stopping_replica_refuses_calls_on_open_streams_at_once(tiny_pair, pro
     finally:
         proc.kill()
         proc.wait()
+
+
+async def _stats(address: str, stub_cls) -> common_pb2.ReplicaStats:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await stub_cls(channel).GetStats(common_pb2.StatsRequest(), timeout=10)
+
+
+def test_a_step_of_many_sessions_is_one_forward_pass_and_each_call_keeps_its_outcome(
+        mesh, prompt):
+    """Step batching against a real verifier: a wave of Verify calls goes as one
+    VerifyBatch, runs as one forward pass, and each call gets what it would get alone (the
+    target's greedy tokens); a bad call and a stale prefix in the same step fail alone."""
+    ids, greedy = prompt
+    address = mesh.verifier_addresses[0]
+
+    async def main():
+        pool = ReplicaPool("verifier", (address,), 1.0, [], streams=True, steps=True)
+        v = _one(pool)
+        cuts = [0, 1, 2, 3, 0, 1, 2, 3]  # each session offers the first `cut` greedy tokens
+        before = await _stats(address, verifier_pb2_grpc.VerifierStub)
+        results = await asyncio.gather(
+            *(clients.verify(v, _verify_call(_sid(), ids, greedy[:cut] + [greedy[cut] + 1]),
+                             30) for cut in cuts),
+            clients.verify(v, _verify_call(_sid(), ids, [10 ** 7]), 30),
+            clients.verify(v, _verify_call(_sid(), ids, greedy[:2], base=3), 30),
+            return_exceptions=True)
+        after = await _stats(address, verifier_pb2_grpc.VerifierStub)
+        for cut, r in zip(cuts, results, strict=False):
+            assert (r.num_accepted, r.extra_token) == (cut, greedy[cut])
+        assert isinstance(results[8], InvalidArgument) and "vocabulary" in str(results[8])
+        assert isinstance(results[9], ResyncRequired)
+        assert v.steps["Verify"].steps == 1 and v.steps["Verify"].largest == 10
+        assert after.forward_passes - before.forward_passes == 1  # one pass for the 8
+        assert after.batched_calls - before.batched_calls == 8
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_step_of_draft_calls_runs_its_k_steps_together_and_drafts_as_alone(mesh, prompt):
+    ids, _ = prompt
+    address = mesh.drafter_addresses[0]
+
+    async def main():
+        pool = ReplicaPool("drafter", (address,), 1.0, [], streams=True, steps=True)
+        unary = ReplicaPool("drafter", (address,), 1.0, [], streams=False)
+        d = _one(pool)
+        alone = await clients.draft(_one(unary), _draft_call(_sid(), ids), 30)
+        before = await _stats(address, drafter_pb2_grpc.DrafterStub)
+        results = await asyncio.gather(*(clients.draft(d, _draft_call(_sid(), ids), 30)
+                                         for _ in range(5)))
+        after = await _stats(address, drafter_pb2_grpc.DrafterStub)
+        assert [r.token_ids for r in results] == [alone.token_ids] * 5
+        assert len(alone.token_ids) == 3 and d.steps["Draft"].largest == 5
+        assert after.forward_passes - before.forward_passes == 3  # k = 3 passes for the 5
+        await pool.close()
+        await unary.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("calls, message", [(0, "at least one call"),
+                                            (257, "at most 256 calls")])
+def test_a_batch_with_no_calls_or_too_many_is_refused_with_what_to_fix(mesh, prompt, calls,
+                                                                        message):
+    ids, _ = prompt
+
+    async def main():
+        async with grpc.aio.insecure_channel(mesh.verifier_addresses[0]) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            request = verifier_pb2.VerifyBatchRequest(calls=[
+                verifier_pb2.VerifyStreamRequest(id=i, call=verify_call_to_pb(
+                    _verify_call(_sid(), ids, []))) for i in range(calls)])
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.VerifyBatch(request, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in refused.value.details()
+
+    asyncio.run(main())

@@ -124,10 +124,13 @@ def test_a_drafter_that_lost_the_session_is_resynced_and_output_is_unchanged():
     assert all(r.drafted for r in rounds)
 
 
-def test_a_busy_drafter_gets_no_branches():
+def test_a_busy_drafter_or_a_loaded_gateway_gets_no_branches():
     """The whole fan-out while the drafter serves no other call, none while it serves any: a
     tree runs alone and would hold back other sessions' critical-path draft calls."""
     assert [fanout_share(16, busy) for busy in range(4)] == [16, 0, 0, 0]
+    # under load (more requests than --spec-max-requests) none, idle or not
+    assert [fanout_share(16, 0, n, 1) for n in (1, 2, 16)] == [16, 0, 0]
+    assert [fanout_share(16, 0, n, 4) for n in (1, 4, 5)] == [16, 16, 0]
     assert fanout_share(1, 0) == 1 and fanout_share(1, 1) == 0
 
 

@@ -153,6 +153,10 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.pipeline | quote }}
 - name: SPECMESH_SPEC_FANOUT
   value: {{ $c.specFanout | quote }}
+- name: SPECMESH_SPEC_MAX_REQUESTS
+  value: {{ $c.specMaxRequests | quote }}
+- name: SPECMESH_STEP_BATCHING
+  value: {{ $c.stepBatching | quote }}
 - name: SPECMESH_MAX_SUPPORT
   value: {{ $c.maxSupport | quote }}
 - name: SPECMESH_DEFAULT_MAX_NEW_TOKENS

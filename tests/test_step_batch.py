@@ -1,0 +1,178 @@
+"""The gateway's step batcher (gateway/step_batch.py), in process: which calls go together,
+how each call's own outcome reaches it. The replica's side is a stand-in that records the
+steps it is sent and answers with real stream-response messages; the batched RPCs against
+real replica processes are in tests/test_call_streams.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc.aio import AioRpcError
+
+from gateway.step_batch import StepBatcher
+from gateway.streams import rpc_error
+from services.errors import RESYNC_KEY, RESYNC_VALUE
+from specmesh.v1 import common_pb2, verifier_pb2
+
+
+class _Replica:
+    """Answers request n (an int) with num_accepted = n, after ``delay`` seconds; records
+    each step as ("one", [n]) or ("batch", [n, ...])."""
+
+    def __init__(self, delay: float = 0.02, fail=None, resync=frozenset(), drop=frozenset()):
+        self.delay, self.fail, self.resync, self.drop = delay, fail, resync, drop
+        self.steps: list[tuple[str, list[int]]] = []
+
+    async def one(self, request: int, timeout: float):
+        self.steps.append(("one", [request]))
+        await asyncio.sleep(self.delay)
+        return verifier_pb2.VerifyResponse(num_accepted=request)
+
+    async def batch(self, requests, timeout: float):
+        self.steps.append(("batch", list(requests)))
+        await asyncio.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        out = []
+        for i, n in reversed(list(enumerate(requests))):  # in any order
+            if n in self.drop:
+                continue
+            if n in self.resync:
+                out.append(verifier_pb2.VerifyStreamResponse(id=i, error=common_pb2.CallError(
+                    code=grpc.StatusCode.FAILED_PRECONDITION.value[0], message="resync",
+                    resync=True)))
+            else:
+                out.append(verifier_pb2.VerifyStreamResponse(
+                    id=i, result=verifier_pb2.VerifyResponse(num_accepted=n)))
+        return out
+
+
+def _batcher(replica: _Replica) -> StepBatcher:
+    return StepBatcher("Verify", replica.one, replica.batch)
+
+
+async def _wave(b: StepBatcher, ns, timeout: float = 5.0):
+    """Calls made one after another in one turn of the loop, as sessions accounted for in
+    turn make them; their results or errors."""
+    return await asyncio.gather(*(b.call(n, timeout) for n in ns), return_exceptions=True)
+
+
+def test_a_lone_call_goes_alone_on_the_usual_path():
+    async def main():
+        replica = _Replica()
+        b = _batcher(replica)
+        r = await b.call(7, 5.0)
+        assert r.num_accepted == 7
+        assert replica.steps == [("one", [7])]
+
+    asyncio.run(main())
+
+
+def test_a_wave_goes_as_one_step_and_each_call_gets_its_own_answer():
+    async def main():
+        replica = _Replica()
+        b = _batcher(replica)
+        results = await _wave(b, range(6))
+        assert [r.num_accepted for r in results] == list(range(6))
+        assert replica.steps == [("batch", [0, 1, 2, 3, 4, 5])]
+
+    asyncio.run(main())
+
+
+def test_calls_made_while_a_step_is_in_flight_go_together_as_the_next_step():
+    async def main():
+        replica = _Replica(delay=0.05)
+        b = _batcher(replica)
+        first = asyncio.ensure_future(b.call(0, 5.0))
+        await asyncio.sleep(0.01)  # the first call's step is in flight
+        later = [asyncio.ensure_future(b.call(n, 5.0)) for n in (1, 2)]
+        await asyncio.sleep(0.01)
+        later.append(asyncio.ensure_future(b.call(3, 5.0)))  # another turn, same step
+        results = await asyncio.gather(first, *later)
+        assert [r.num_accepted for r in results] == [0, 1, 2, 3]
+        assert replica.steps == [("one", [0]), ("batch", [1, 2, 3])]
+        assert (b.steps, b.calls, b.largest) == (2, 4, 3)
+
+    asyncio.run(main())
+
+
+def test_a_resync_fails_its_own_call_only():
+    async def main():
+        b = _batcher(_Replica(resync={2}))
+        results = await _wave(b, range(4))
+        err = results[2]
+        assert isinstance(err, AioRpcError)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert dict(err.trailing_metadata())[RESYNC_KEY] == RESYNC_VALUE
+        assert [r.num_accepted for i, r in enumerate(results) if i != 2] == [0, 1, 3]
+
+    asyncio.run(main())
+
+
+def test_a_failed_step_fails_each_of_its_calls_with_its_status():
+    async def main():
+        b = _batcher(_Replica(fail=rpc_error(grpc.StatusCode.UNAVAILABLE, "replica down")))
+        results = await _wave(b, range(3))
+        assert [(type(e), e.code()) for e in results] == [
+            (AioRpcError, grpc.StatusCode.UNAVAILABLE)] * 3
+
+    asyncio.run(main())
+
+
+def test_a_replica_without_the_batched_rpc_gets_each_call_alone_from_then_on():
+    async def main():
+        replica = _Replica(fail=rpc_error(grpc.StatusCode.UNIMPLEMENTED, "no such method"))
+        b = _batcher(replica)
+        results = await _wave(b, range(3))
+        assert [r.num_accepted for r in results] == [0, 1, 2]
+        assert not b.batched
+        await _wave(b, (5, 6))
+        assert replica.steps == [("batch", [0, 1, 2]), ("one", [0]), ("one", [1]),
+                                 ("one", [2]), ("one", [5]), ("one", [6])]
+
+    asyncio.run(main())
+
+
+def test_a_call_the_replica_left_out_fails_as_internal():
+    async def main():
+        b = _batcher(_Replica(drop={1}))
+        results = await _wave(b, range(3))
+        assert results[1].code() == grpc.StatusCode.INTERNAL
+        assert "left this call out" in results[1].details()
+        assert [results[0].num_accepted, results[2].num_accepted] == [0, 2]
+
+    asyncio.run(main())
+
+
+def test_a_call_whose_deadline_passes_while_it_waits_is_not_sent():
+    async def main():
+        replica = _Replica(delay=0.2)
+        b = _batcher(replica)
+        first = asyncio.ensure_future(b.call(0, 5.0))
+        await asyncio.sleep(0.01)
+        with pytest.raises(AioRpcError) as late:
+            await b.call(1, 0.05)  # waits behind the step in flight, past its deadline
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert (await first).num_accepted == 0
+        await asyncio.sleep(0.01)
+        assert replica.steps == [("one", [0])]  # the expired call never went out
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_caller_leaves_the_others_their_answers():
+    async def main():
+        replica = _Replica(delay=0.05)
+        b = _batcher(replica)
+        calls = [asyncio.ensure_future(b.call(n, 5.0)) for n in range(3)]
+        await asyncio.sleep(0.01)  # the step is in flight
+        calls[1].cancel()
+        assert (await calls[0]).num_accepted == 0 and (await calls[2]).num_accepted == 2
+        with pytest.raises(asyncio.CancelledError):
+            await calls[1]
+        r = await b.call(9, 5.0)  # the batcher goes on
+        assert r.num_accepted == 9
+
+    asyncio.run(main())
