@@ -1,5 +1,6 @@
 """`specmesh load`: N concurrent streams through a gateway for a while, then latency
-percentiles, tokens/s and the RSS growth of the mesh processes (see docs/load.md).
+percentiles, tokens/s, and the RSS growth and CPU per token of the mesh processes (see
+docs/load.md).
 
 Each stream is a thread with its own gRPC channel that sends GenerateStream requests back to
 back (greedy, a prompt drawn from PROMPTS) until the duration is over; requests in flight at
@@ -158,24 +159,44 @@ def run_streams(address: str, opts: LoadOptions, *, duration_s: float | None = N
     return records, time.perf_counter() - start
 
 
-def sample_rss(pids: dict[str, int]) -> dict[str, int | None]:
-    """RSS in bytes of each process plus its children; None when the process is gone."""
+def _sample(pids: dict[str, int], read: Callable) -> dict[str, float | None]:
+    """``read(process)`` summed over each process and its children; None when it is gone."""
     import psutil
 
-    out: dict[str, int | None] = {}
+    out: dict[str, float | None] = {}
     for name, pid in pids.items():
         try:
             root = psutil.Process(pid)
-            total = root.memory_info().rss
+            total = read(root)
             for child in root.children(recursive=True):
                 try:
-                    total += child.memory_info().rss
+                    total += read(child)
                 except psutil.NoSuchProcess:
                     pass
             out[name] = total
         except psutil.NoSuchProcess:
             out[name] = None
     return out
+
+
+def sample_rss(pids: dict[str, int]) -> dict[str, int | None]:
+    """RSS in bytes of each process plus its children; None when the process is gone."""
+    return _sample(pids, lambda p: p.memory_info().rss)
+
+
+def sample_cpu(pids: dict[str, int]) -> dict[str, float | None]:
+    """CPU seconds (user + system) used so far by each process plus its children."""
+    return _sample(pids, lambda p: sum(p.cpu_times()[:2]))
+
+
+def cpu_report(start: dict, end: dict, tokens: int) -> dict:
+    """CPU seconds of each process over the measured phase and per generated token (ms),
+    with "all" the sum of the processes still there at the end."""
+    used = {name: end[name] - start[name] for name in start
+            if start.get(name) is not None and end.get(name) is not None}
+    used["all"] = sum(used.values())
+    return {name: {"seconds": s, "ms_per_token": 1000 * s / tokens if tokens else None}
+            for name, s in used.items()}
 
 
 def percentiles(values: list[float]) -> dict[str, float] | None:
@@ -220,6 +241,7 @@ def build_report(address: str, opts: LoadOptions, records: list[RequestRecord], 
         "itl_ms": ms([x for r in ok for x in r.itl_s]),
         "latency_ms": ms([r.latency_s for r in ok]),
         "rss": rss,
+        "cpu": None,  # measure() fills it in for a mesh whose processes it knows
     }
 
 
@@ -229,10 +251,15 @@ def measure(address: str, opts: LoadOptions, pids: dict[str, int] | None = None,
     phase = (lambda name: (lambda *a: progress(name, *a))) if progress else (lambda name: None)
     warmup, _ = run_streams(address, opts, per_stream=1, progress=phase("warm-up"), seed_offset=1)
     rss_start = sample_rss(pids) if pids is not None else None
+    cpu_start = sample_cpu(pids) if pids is not None else None
     records, wall_s = run_streams(address, opts, duration_s=opts.duration_s,
                                   progress=phase("load"))
+    cpu_end = sample_cpu(pids) if pids is not None else None
     rss_end = sample_rss(pids) if pids is not None else None
-    return build_report(address, opts, records, wall_s, warmup, rss_start, rss_end, pids)
+    report = build_report(address, opts, records, wall_s, warmup, rss_start, rss_end, pids)
+    if pids is not None:
+        report["cpu"] = cpu_report(cpu_start, cpu_end, report["tokens_total"])
+    return report
 
 
 def failed(report: dict) -> bool:
@@ -273,6 +300,14 @@ def render(report: dict, console) -> None:
         rss.add_row(name, str(v["pid"]), fmt(v["start_bytes"]),
                     fmt(v["end_bytes"]) if v["end_bytes"] else "exited", fmt(v["growth_bytes"]))
     console.print(rss)
+    if report.get("cpu"):
+        cpu = Table(title="CPU per mesh process (with children) over the measured phase")
+        for col in ("process", "CPU s", "ms / token"):
+            cpu.add_column(col, justify="left" if col == "process" else "right")
+        for name, v in report["cpu"].items():
+            per = v["ms_per_token"]
+            cpu.add_row(name, f"{v['seconds']:.1f}", "-" if per is None else f"{per:.2f}")
+        console.print(cpu)
 
 
 def load(
@@ -298,9 +333,13 @@ def load(
                         "SIGKILL and restart each in turn while the streams run; clients resume "
                         "or retry; every output must equal the intact mesh's (docs/load.md).")
                      ] = False,
+    target: Annotated[str, typer.Option(help="Target model of the local mesh (default: the "
+                                             "bundled tiny pair); not with --addr.")] = "",
+    draft: Annotated[str, typer.Option(help="Drafter model of the local mesh, with --target.")
+                     ] = "",
 ) -> None:
     """Hold N concurrent streams for a while; report latency percentiles, tokens/s and the
-    mesh processes' RSS growth. Exits 1 on any error (with --chaos: on any request lost or
+    mesh processes' RSS growth and CPU per token. Exits 1 on any error (with --chaos: on any request lost or
     output different)."""
     from rich.console import Console
     from rich.live import Live
@@ -310,6 +349,14 @@ def load(
 
     if drafter not in ("", "model", "ngram"):
         raise typer.BadParameter("--drafter must be model or ngram")
+    if bool(target) != bool(draft) or (target and (addr or chaos)):
+        raise typer.BadParameter("--target and --draft go together, for the local mesh "
+                                 "(not with --addr or --chaos)")
+    if target:
+        from specmesh.model_ref import check_loadable
+
+        check_loadable(target, "--target")
+        check_loadable(draft, "--draft")
     if chaos:
         if addr or drafter == "ngram":
             raise typer.BadParameter("--chaos kills and restarts the processes of a mesh it "
@@ -336,8 +383,9 @@ def load(
         if not addr:
             from services.tiny_models import build_tiny_pair
 
-            with err.status("building the bundled tiny model pair"):
-                target, draft = build_tiny_pair(default_cache_dir() / "tiny-pair")
+            if not target:
+                with err.status("building the bundled tiny model pair"):
+                    target, draft = build_tiny_pair(default_cache_dir() / "tiny-pair")
             mesh = start_mesh(MeshSpec(target=str(target), draft=str(draft), port=free_port(),
                                        ngram_drafters=int(drafter == "ngram")))
             addr, pids = mesh.gateway_address, {p.name: p.popen.pid for p in mesh.procs}

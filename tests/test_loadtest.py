@@ -50,6 +50,16 @@ def test_load_against_a_real_mesh_counts_every_request_and_token(mesh):
         assert v["pid"] == pids[name]
         assert v["start_bytes"] > 0 and v["end_bytes"] > 0, (name, v)
         assert v["growth_bytes"] == v["end_bytes"] - v["start_bytes"]
+    # the gateway, the verifier and the model drafter worked while the streams ran (the
+    # fixture's n-gram drafter serves none of these requests)
+    assert set(report["cpu"]) == set(pids) | {"all"}
+    for name in ("gateway", "verifier-0", "drafter-0"):
+        assert report["cpu"][name]["seconds"] > 0, report["cpu"]
+    assert all(v["seconds"] >= 0 for v in report["cpu"].values()), report["cpu"]
+    assert report["cpu"]["all"]["seconds"] == pytest.approx(
+        sum(v["seconds"] for k, v in report["cpu"].items() if k != "all"))
+    assert report["cpu"]["all"]["ms_per_token"] == pytest.approx(
+        1000 * report["cpu"]["all"]["seconds"] / report["tokens_total"])
     assert not loadtest.failed(report)
     json.dumps(report)  # serializable as is
 
@@ -106,3 +116,21 @@ def test_cli_succeeds_against_a_healthy_mesh(mesh, tmp_path):
     assert result.exit_code == 0, result.output
     assert report["errors"] == {} and report["requests"] >= 1
     assert "TTFT" in result.output and "not measured" in result.output
+
+
+def test_cpu_report_per_process_and_per_token():
+    start = {"verifier-0": 10.0, "drafter-0": 4.0, "gateway": 2.5, "gone": 1.0}
+    end = {"verifier-0": 12.0, "drafter-0": 5.0, "gateway": 3.0, "gone": None}
+    cpu = loadtest.cpu_report(start, end, tokens=1000)
+    assert set(cpu) == {"verifier-0", "drafter-0", "gateway", "all"}  # an exited one is left out
+    assert cpu["verifier-0"] == {"seconds": 2.0, "ms_per_token": 2.0}
+    assert cpu["gateway"]["ms_per_token"] == pytest.approx(0.5)
+    assert cpu["all"]["seconds"] == pytest.approx(3.5)
+    assert cpu["all"]["ms_per_token"] == pytest.approx(3.5)
+    assert loadtest.cpu_report(start, end, tokens=0)["all"]["ms_per_token"] is None
+
+
+def test_target_without_draft_is_one_line_and_exit_2():
+    result = CliRunner().invoke(app, ["load", "--target", "/nonexistent"])
+    assert result.exit_code == 2
+    assert "--target and --draft go together" in result.output
