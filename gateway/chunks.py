@@ -4,6 +4,7 @@ the gateway checks requests against."""
 from __future__ import annotations
 
 import enum
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from services.messages import TokenLogprobs
@@ -34,6 +35,21 @@ class Chunk:
     usage: Usage | None = None
     offset: int = 0  # session position of the first token
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when the request asked for them
+
+
+async def collect(chunks: AsyncIterator[Chunk], first: Chunk | None = None) -> Chunk:
+    """A generation's chunks (``first`` already taken from them, if given) as one: all the
+    text, tokens and logprobs, the last chunk's finish, usage and session, the first's offset.
+    Both doors' unary answers are built from it."""
+    parts = [first] if first is not None else []
+    parts += [chunk async for chunk in chunks]
+    if not parts:
+        raise RuntimeError("the generation ended without a chunk")
+    last = parts[-1]
+    return Chunk(text="".join(c.text for c in parts),
+                 token_ids=[t for c in parts for t in c.token_ids],
+                 session_id=last.session_id, finish=last.finish, usage=last.usage,
+                 offset=parts[0].offset, logprobs=tuple(t for c in parts for t in c.logprobs))
 
 
 @dataclass(frozen=True)

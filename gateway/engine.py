@@ -134,7 +134,7 @@ class GenerationEngine:
         if spec.speculate and spec.drafter_kind and spec.drafter_kind not in self.drafters.kinds():
             raise InvalidArgument(f"no {spec.drafter_kind} drafter is configured on this gateway "
                                   f"(kinds: {', '.join(sorted(self.drafters.kinds())) or 'none'})"
-                                  f"{_START_ONE.get(spec.drafter_kind, '')}")
+                                  f"{_START_ONE.get(spec.drafter_kind, '')}", field="drafter")
         owner = uuid.uuid4().hex
         seed = spec.seed if spec.seed is not None else secrets.randbits(63)
         if spec.session_id:
@@ -157,7 +157,8 @@ class GenerationEngine:
         else:
             prompt = await self._tokenize(spec, continuing=False)
             if not prompt:
-                raise InvalidArgument("prompt tokenizes to no tokens: send a non-empty prompt")
+                raise InvalidArgument("prompt tokenizes to no tokens: send a non-empty prompt",
+                                      field="prompt")
             self._check_context(len(prompt), len(prompt))
             turn = TurnRecord.begin(spec, len(prompt), len(prompt), seed)
             handle = SessionHandle(session_id=uuid.uuid4().hex, version=1, tokens=list(prompt),
@@ -174,13 +175,13 @@ class GenerationEngine:
     def _turn_to_resume(h: SessionHandle, spec: GenerationSpec) -> TurnRecord:
         if not h.turn:
             raise InvalidArgument(f"session {h.session_id!r} has no recorded turn to resume: "
-                                  "send a prompt to start one")
+                                  "send a prompt to start one", field="resume_from")
         turn = TurnRecord.from_dict(h.turn)
         if not turn.start <= spec.resume_from <= len(h.tokens):
             raise InvalidArgument(
                 f"resume_from {spec.resume_from} is outside the turn being resumed: it must lie "
                 f"in {turn.start}..{len(h.tokens)} (from the turn's first generated token to "
-                f"past the session's {len(h.tokens)} committed tokens)")
+                f"past the session's {len(h.tokens)} committed tokens)", field="resume_from")
         return turn
 
     @staticmethod
@@ -207,7 +208,7 @@ class GenerationEngine:
             raise InvalidArgument(
                 f"the prompt ({prompt_len} tokens, {total} with the session's earlier turns) "
                 f"leaves no room in the model's context of {self.limits.max_context} tokens: "
-                "shorten it")
+                "shorten it", field="prompt")
 
     def _in_background(self, work) -> None:
         task = asyncio.ensure_future(work)

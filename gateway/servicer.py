@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from gateway.auth import Authenticator
-from gateway.chunks import Chunk, Finish, Usage
+from gateway.chunks import Chunk, Finish, Usage, collect
 from gateway.engine import GenerationEngine
-from gateway.requests import spec_from_request
+from gateway.requests import GRPC, GenerationSpec, RequestFields, validate
 from services.config import GatewayConfig
 from services.errors import grpc_errors
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -42,6 +42,20 @@ def _chunk(c: Chunk) -> gateway_pb2.GenerateChunk:
                                      logprobs=_logprobs(c.logprobs))
 
 
+def request_fields(req: gateway_pb2.GenerateRequest) -> RequestFields:
+    """The neutral request of a GenerateRequest (a field not set in the message: None)."""
+    s, spec = req.sampling, req.speculation
+    given = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
+    return RequestFields(
+        prompt=req.prompt, prompt_ids=tuple(req.prompt_token_ids),
+        temperature=given("temperature"), top_p=given("top_p"), top_k=given("top_k"),
+        max_new_tokens=given("max_new_tokens"), stop=tuple(s.stop), seed=given("seed"),
+        num_draft_tokens=spec.num_draft_tokens, disable_speculation=spec.disable,
+        drafter=spec.drafter, session_id=req.session_id, keep_session=req.keep_session,
+        resume_from=req.resume_from, logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs or None)
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Every RPC authenticates first (API key, rate limit), then validates, then runs."""
 
@@ -51,26 +65,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.auth = auth
 
+    def _spec(self, request: gateway_pb2.GenerateRequest) -> GenerationSpec:
+        return validate(request_fields(request), self.config, GRPC,
+                        self.engine.limits.vocab_size)
+
     @grpc_errors
     async def GenerateStream(self, request, context):
         tenant = await self.auth.authenticate(context.invocation_metadata())
-        spec = spec_from_request(request, self.config)
+        spec = self._spec(request)
         async for chunk in self.engine.generate(spec, context.time_remaining, tenant):
             yield _chunk(chunk)
 
     @grpc_errors
     async def Generate(self, request, context):
         tenant = await self.auth.authenticate(context.invocation_metadata())
-        spec = spec_from_request(request, self.config)
-        text, ids, logprobs, last = [], [], [], None
-        async for chunk in self.engine.generate(spec, context.time_remaining, tenant):
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            logprobs.extend(chunk.logprobs)
-            last = chunk
+        spec = self._spec(request)
+        whole = await collect(self.engine.generate(spec, context.time_remaining, tenant))
         return gateway_pb2.GenerateResponse(
-            text="".join(text), token_ids=ids, finish_reason=_FINISH[last.finish],
-            session_id=last.session_id, usage=_usage(last.usage), logprobs=_logprobs(logprobs))
+            text=whole.text, token_ids=whole.token_ids, finish_reason=_FINISH[whole.finish],
+            session_id=whole.session_id, usage=_usage(whole.usage),
+            logprobs=_logprobs(whole.logprobs))
 
     @grpc_errors
     async def CloseSession(self, request, context):

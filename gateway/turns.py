@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gateway.requests import GenerationSpec
+from gateway.requests import GRPC, GenerationSpec
 from services.errors import InvalidArgument
 from services.params import SamplingParams
 
@@ -63,25 +63,24 @@ def resumed_spec(spec: GenerationSpec, turn: TurnRecord) -> GenerationSpec:
     setting the resume request gives explicitly must equal the turn's, else INVALID_ARGUMENT
     naming it (a resume cannot change the request it continues)."""
     recorded = {
-        "sampling.temperature": turn.temperature, "sampling.top_k": turn.top_k,
-        "sampling.top_p": turn.top_p, "sampling.max_new_tokens": turn.max_new_tokens,
-        "sampling.stop": turn.stop, "sampling.seed": turn.seed if turn.seeded else None,
-        "speculation.num_draft_tokens": turn.num_draft_tokens,
-        "speculation.disable": not turn.speculate, "speculation.drafter": turn.drafter_kind,
+        "temperature": turn.temperature, "top_k": turn.top_k, "top_p": turn.top_p,
+        "max_new_tokens": turn.max_new_tokens, "stop": turn.stop,
+        "seed": turn.seed if turn.seeded else None, "num_draft_tokens": turn.num_draft_tokens,
+        "disable_speculation": not turn.speculate, "drafter": turn.drafter_kind,
     }
     given = {
-        "sampling.temperature": spec.params.temperature, "sampling.top_k": spec.params.top_k,
-        "sampling.top_p": spec.params.top_p, "sampling.max_new_tokens": spec.max_new_tokens,
-        "sampling.stop": tuple(spec.stop), "sampling.seed": spec.seed,
-        "speculation.num_draft_tokens": spec.num_draft_tokens,
-        "speculation.disable": not spec.speculate, "speculation.drafter": spec.drafter_kind,
+        "temperature": spec.params.temperature, "top_k": spec.params.top_k,
+        "top_p": spec.params.top_p, "max_new_tokens": spec.max_new_tokens,
+        "stop": tuple(spec.stop), "seed": spec.seed, "num_draft_tokens": spec.num_draft_tokens,
+        "disable_speculation": not spec.speculate, "drafter": spec.drafter_kind,
     }
     for name in sorted(spec.explicit):
         if name in recorded and given[name] != recorded[name]:
+            door = GRPC(name)  # resuming is the gRPC API's
             raise InvalidArgument(
-                f"{name} is {given[name]!r} but the stream being resumed was started with "
+                f"{door} is {given[name]!r} but the stream being resumed was started with "
                 f"{recorded[name]!r}: a resume continues the original request; leave "
-                f"{name} unset (or equal)")
+                f"{door} unset (or equal)", field=name)
     return dataclasses.replace(
         spec, params=SamplingParams(temperature=turn.temperature, top_k=turn.top_k,
                                     top_p=turn.top_p),

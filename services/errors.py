@@ -25,7 +25,14 @@ class SpecMeshError(Exception):
 
 
 class InvalidArgument(SpecMeshError, ValueError):
+    """``field``: the request field at fault, in the neutral names of gateway/requests.py
+    (the HTTP API answers it as the error's ``param``, in its own name)."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str = "", field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NotFound(SpecMeshError):

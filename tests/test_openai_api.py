@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from services.local_mesh import MeshSpec, free_port, start_mesh
-from specmesh.client import GatewayClient
+from specmesh.client import GatewayClient, build_request
 from specmesh.v1 import gateway_pb2
 from tests.conftest import hf_greedy
 
@@ -275,7 +275,7 @@ def _error(call) -> openai.APIStatusError:
     ({"stop": [""]}, 400, "stop", "stop strings must be 1..256 characters"),
     ({"prompt": ["a", "b"]}, 400, "prompt", "prompt holds 2 prompts: send one prompt per "
                                             "request"),
-    ({"extra_body": {"top_k": -2}}, 400, "top_k", "top_k must be >= 0 (0 or -1 = off), got -2"),
+    ({"extra_body": {"top_k": -2}}, 400, "top_k", "top_k must be >= 0 (0 = off), got -2"),
     ({"presence_penalty": 1.0}, 400, "presence_penalty", "presence_penalty is not supported"),
     ({"model": "gpt-4"}, 404, "model", "the model 'gpt-4' does not exist"),
     ({"extra_body": {"session_id": "no-such-session"}}, 404, None, "no-such-session"),
@@ -403,6 +403,52 @@ def test_the_running_gateway_has_no_torch_loaded(http_mesh):
     assert not torch_mapped("gateway")
 
 
+# (gRPC build_request kwargs, HTTP /v1/completions fields, gRPC name, HTTP param)
+BOTH_DOORS = [
+    ({"temperature": 2.5}, {"temperature": 2.5}, "sampling.temperature", "temperature"),
+    ({"top_p": 0.0}, {"top_p": 0}, "sampling.top_p", "top_p"),
+    ({"max_new_tokens": 513}, {"max_tokens": 513}, "sampling.max_new_tokens", "max_tokens"),
+    ({"stop": [""]}, {"stop": [""]}, "sampling.stop", "stop"),
+    ({"num_draft_tokens": 65}, {"speculation": {"num_draft_tokens": 65}},
+     "speculation.num_draft_tokens", "speculation.num_draft_tokens"),
+    ({"drafter": "big"}, {"speculation": {"drafter": "big"}}, "speculation.drafter",
+     "speculation.drafter"),
+    ({"session_id": "s" * 129}, {"session_id": "s" * 129}, "session_id", "session_id"),
+    ({"prompt": "", "prompt_token_ids": [1, 99999]}, {"prompt": [1, 99999]},
+     "prompt_token_ids", "prompt"),
+    ({"prompt": "def f(x): return x\n" * 400}, {"prompt": "def f(x): return x\n" * 400},
+     None, "prompt"),  # longer than the context: found by the engine, after tokenizing
+]
+
+
+@pytest.mark.parametrize("grpc_kwargs, body, grpc_name, param", BOTH_DOORS)
+def test_a_request_one_door_rejects_the_other_rejects_for_the_same_field(
+        http_mesh, grpc_kwargs, body, grpc_name, param):
+    import grpc
+
+    mesh, base, _ = http_mesh
+    args = {"prompt": "x", "max_new_tokens": 2, **grpc_kwargs}
+    with GatewayClient(mesh.gateway_address) as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(build_request(args.pop("prompt"), **args), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    if grpc_name:
+        assert err.value.details().startswith(grpc_name), err.value.details()
+
+    request = urllib.request.Request(
+        base + "/v1/completions", method="POST", headers={"content-type": "application/json"},
+        data=json.dumps({"prompt": "x", "max_tokens": 2, "temperature": 0, **body}).encode())
+    with pytest.raises(urllib.error.HTTPError) as http_err:
+        urllib.request.urlopen(request, timeout=60)
+    error = json.loads(http_err.value.read())["error"]
+    assert http_err.value.code == 400 and error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    # the same rule answered both: the messages differ only in the field's name
+    if grpc_name:
+        assert error["message"] == err.value.details().replace(grpc_name, param, 1)
+    else:
+        assert error["message"] == err.value.details()
+
+
 def test_readiness_follows_grpc_health_through_a_drain(http_mesh):
     """Last in this module (it stops the gateway): SIGTERM while a gRPC stream runs; the
     gateway drains, its gRPC health is NOT_SERVING, and /ready answers 503 with it."""
@@ -430,5 +476,3 @@ def test_readiness_follows_grpc_health_through_a_drain(http_mesh):
             time.sleep(0.02)
         stream.cancel()
     assert 503 in seen, seen
-
-

@@ -19,23 +19,24 @@ from opentelemetry import trace
 from starlette.exceptions import HTTPException
 
 from gateway.auth import Authenticator
-from gateway.chunks import Chunk
+from gateway.chunks import Chunk, collect
 from gateway.engine import GenerationEngine
 from gateway.http.chat import has_template, render_chat, validate_messages
 from gateway.http.errors import ApiError, from_exception
 from gateway.http.observe import Observe
 from gateway.http.responses import Formatter
 from gateway.http.schemas import (
+    COMPLETIONS,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_logprobs,
-    completion_logprobs,
+    chat_door,
+    param_error,
     prompt_of,
     spec_of,
 )
-from gateway.requests import GenerationSpec
+from gateway.requests import Door, GenerationSpec
 from services.config import GatewayConfig
-from services.errors import SpecMeshError
+from services.errors import InvalidArgument, SpecMeshError
 
 
 @dataclass
@@ -84,10 +85,11 @@ class OpenAIApi:
         tenant = await self.ctx.auth.authenticate(_metadata(request))
         self.check_model(body.model)
         prompt, prompt_ids = prompt_of(body)
-        spec = spec_of(body, self.ctx.config, prompt, prompt_ids, body.max_tokens,
-                       completion_logprobs(body))
+        spec = spec_of(body, self.ctx.config, self.engine.limits.vocab_size, prompt, prompt_ids,
+                       COMPLETIONS, logprobs=body.logprobs is not None,
+                       top_logprobs=body.logprobs)
         fmt = Formatter(self.tokenizer, self.ids[0], chat=False, logprobs=spec.logprobs)
-        return await self._respond(spec, fmt, body, tenant)
+        return await self._respond(spec, fmt, body, tenant, COMPLETIONS)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         tenant = await self.ctx.auth.authenticate(_metadata(request))
@@ -95,15 +97,15 @@ class OpenAIApi:
         messages = validate_messages(body.messages)
         continuing = bool(body.session_id)
         text = render_chat(self.tokenizer, messages, continuing)
-        max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
-                      else body.max_tokens)
-        spec = spec_of(body, self.ctx.config, text, (), max_tokens, chat_logprobs(body))
+        door = chat_door(body)
+        spec = spec_of(body, self.ctx.config, self.engine.limits.vocab_size, text, (), door,
+                       logprobs=body.logprobs, top_logprobs=body.top_logprobs)
         if has_template(self.tokenizer) and not continuing:
             # The template writes the special tokens (BOS) itself: tokenize without adding.
             ids = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=False)
             spec = replace(spec, prompt="", prompt_ids=tuple(ids["input_ids"]))
         fmt = Formatter(self.tokenizer, self.ids[0], chat=True, logprobs=spec.logprobs)
-        return await self._respond(spec, fmt, body, tenant)
+        return await self._respond(spec, fmt, body, tenant, door)
 
     async def close_session(self, session_id: str, request: Request) -> dict:
         tenant = await self.ctx.auth.authenticate(_metadata(request))
@@ -111,7 +113,7 @@ class OpenAIApi:
         return {"id": session_id, "object": "session.deleted", "deleted": True,
                 "committed_tokens": count}
 
-    async def _respond(self, spec: GenerationSpec, fmt: Formatter, body, tenant):
+    async def _respond(self, spec: GenerationSpec, fmt: Formatter, body, tenant, door: Door):
         if body.user:
             trace.get_current_span().set_attribute("gen_ai.request.user", body.user)
         chunks = self.engine.generate(spec, lambda: None, tenant)
@@ -120,17 +122,14 @@ class OpenAIApi:
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
                 return EventSourceResponse(self._events(chunks, first, fmt, usage))
-            text, merged, last = [first.text], replace(first), first
-            merged.token_ids, merged.logprobs = list(first.token_ids), list(first.logprobs)
-            async for chunk in chunks:
-                text.append(chunk.text)
-                merged.token_ids.extend(chunk.token_ids)
-                merged.logprobs.extend(chunk.logprobs)
-                last = chunk
+            whole = await collect(chunks, first)
+        except InvalidArgument as exc:
+            await chunks.aclose()
+            raise param_error(exc, door) from None
         except BaseException:
             await chunks.aclose()
             raise
-        return fmt.whole("".join(text), merged, last)
+        return fmt.whole(whole)
 
     @staticmethod
     async def _events(chunks: AsyncIterator[Chunk], first: Chunk, fmt: Formatter,

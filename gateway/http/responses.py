@@ -60,16 +60,16 @@ class Formatter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage, "session_id": session_id}
 
-    def whole(self, text: str, merged: Chunk, last: Chunk) -> dict:
-        """The non-streamed body; ``merged`` holds every chunk's tokens and logprobs."""
-        choice = {"index": 0, "logprobs": self.logprobs_body(merged),
-                  "finish_reason": FINISH[last.finish]}
+    def whole(self, whole: Chunk) -> dict:
+        """The non-streamed body of a generation's chunks collected into one."""
+        choice = {"index": 0, "logprobs": self.logprobs_body(whole),
+                  "finish_reason": FINISH[whole.finish]}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": whole.text}
         else:
-            choice["text"] = text
+            choice["text"] = whole.text
         return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
-                              usage_body(last.usage), last.session_id)
+                              usage_body(whole.usage), whole.session_id)
 
     def stream_chunk(self, chunk: Chunk, include_usage: bool, first: bool = False) -> dict:
         """One streamed chunk: the round's text delta (a chat stream's first also carries

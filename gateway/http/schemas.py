@@ -1,17 +1,26 @@
-"""OpenAI request bodies (pydantic) and their translation to a GenerationSpec, validated
-with messages that name the HTTP field and its range (docs/api.md lists every field)."""
+"""OpenAI request bodies (pydantic) and their translation to the neutral request
+(gateway/requests.py), validated by the same rules as the gRPC API's, with messages and
+``param`` in this API's field names (docs/api.md lists every field)."""
 
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.http.errors import bad_request
-from gateway.requests import MAX_PROMPT_CHARS, MAX_STOP_CHARS, GenerationSpec
+from gateway.http.errors import ApiError, bad_request
+from gateway.requests import Door, GenerationSpec, RequestFields, validate
 from services.config import GatewayConfig
-from services.messages import MAX_TOP_LOGPROBS
-from services.params import SamplingParams
+from services.errors import InvalidArgument
+
+_SPECULATION = {"num_draft_tokens": "speculation.num_draft_tokens",
+                "disable_speculation": "speculation.disable", "drafter": "speculation.drafter"}
+COMPLETIONS = Door("completions", {"prompt_ids": "prompt", "max_new_tokens": "max_tokens",
+                                   "top_logprobs": "logprobs", **_SPECULATION},
+                   default_temperature=1.0, top_logprobs_needs="logprobs")
+CHAT = Door("chat", {"prompt": "messages", "prompt_ids": "messages",
+                     "max_new_tokens": "max_tokens", **_SPECULATION},
+            default_temperature=1.0, top_logprobs_needs="logprobs: true")
 
 
 class StreamOptions(BaseModel):
@@ -22,9 +31,9 @@ class Speculation(BaseModel):
     """Extension: how to speculate (the gRPC API's SpeculationParams)."""
 
     model_config = ConfigDict(extra="forbid")
-    num_draft_tokens: int = Field(0, ge=0, le=64)
+    num_draft_tokens: int = 0
     disable: bool = False
-    drafter: str = Field("", pattern="^(|model|ngram)$")
+    drafter: str = ""
 
 
 class _Common(BaseModel):
@@ -103,72 +112,45 @@ def prompt_of(body: CompletionRequest) -> tuple[str, tuple[int, ...]]:
                               "prompt")
         p = p[0]
     if isinstance(p, list):
-        if any(isinstance(t, bool) or t < 0 for t in p):
-            raise bad_request("prompt token ids must be integers >= 0", "prompt")
+        if any(isinstance(t, bool) for t in p):
+            raise bad_request("prompt token ids must be integers, not booleans", "prompt")
         return "", tuple(p)
-    if not p and not body.session_id:
-        raise bad_request("prompt is required: a string or a list of token ids", "prompt")
-    if len(p or "") > MAX_PROMPT_CHARS:
-        raise bad_request(f"prompt has {len(p)} characters; the limit is {MAX_PROMPT_CHARS}",
-                          "prompt")
     return p or "", ()
 
 
-def spec_of(body: _Common, config: GatewayConfig, prompt: str, prompt_ids: tuple[int, ...],
-            max_tokens: int | None, logprobs: int) -> GenerationSpec:
-    """The engine's request. Defaults follow OpenAI's API: temperature 1, top_p 1."""
+def param_error(exc: InvalidArgument, door: Door) -> ApiError:
+    """A 400 naming the field at fault in this API's words."""
+    return bad_request(str(exc), door(exc.field) if exc.field else None)
+
+
+def spec_of(body: _Common, config: GatewayConfig, vocab_size: int, prompt: str,
+            prompt_ids: tuple[int, ...], door: Door, logprobs: bool,
+            top_logprobs: int | None) -> GenerationSpec:
+    """The engine's request, by the rules both doors share; OpenAI's defaults (temperature 1)."""
     _unsupported(body)
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if not math.isfinite(temperature) or not 0 <= temperature <= 2:
-        raise bad_request(f"temperature must be in [0, 2] (0 = greedy), got {temperature}",
-                          "temperature")
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = body.top_k if body.top_k not in (None, -1) else 0
-    if top_k < 0:
-        raise bad_request(f"top_k must be >= 0 (0 or -1 = off), got {body.top_k}", "top_k")
-    cap = config.max_new_tokens_cap
-    max_new = config.default_max_new_tokens if max_tokens is None else max_tokens
-    if not 1 <= max_new <= cap:
-        raise bad_request(f"max_tokens must be in 1..{cap}, got {max_new}", "max_tokens")
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > config.max_stop_strings:
-        raise bad_request(f"stop holds {len(stop)} strings; at most {config.max_stop_strings}",
-                          "stop")
-    if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
-        raise bad_request(f"stop strings must be 1..{MAX_STOP_CHARS} characters", "stop")
-    if body.seed is not None and not 0 <= body.seed < 2**64:
-        raise bad_request(f"seed must be in 0..2^64-1, got {body.seed}", "seed")
-    session = body.session_id or ""
-    if session and (len(session) > 128 or not session.isprintable()):
-        raise bad_request("session_id must be at most 128 printable characters", "session_id")
     spec = body.speculation or Speculation()
-    return GenerationSpec(
-        prompt=prompt, prompt_ids=prompt_ids,
-        params=SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p)),
-        max_new_tokens=max_new, stop=stop, seed=body.seed,
-        num_draft_tokens=spec.num_draft_tokens, speculate=not spec.disable,
-        drafter_kind=spec.drafter, session_id=session,
-        keep_session=body.keep_session or bool(session), logprobs=logprobs)
+    fields = RequestFields(
+        prompt=prompt, prompt_ids=prompt_ids, temperature=body.temperature, top_p=body.top_p,
+        top_k=None if body.top_k == -1 else body.top_k,  # -1 = off, as vLLM's
+        max_new_tokens=max_tokens_of(body),
+        stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+        seed=body.seed, num_draft_tokens=spec.num_draft_tokens,
+        disable_speculation=spec.disable, drafter=spec.drafter,
+        session_id=body.session_id or "", keep_session=body.keep_session,
+        logprobs=logprobs, top_logprobs=top_logprobs)
+    try:
+        return validate(fields, config, door, vocab_size)
+    except InvalidArgument as exc:
+        raise param_error(exc, door) from None
 
 
-def completion_logprobs(body: CompletionRequest) -> int:
-    """/v1/completions' logprobs (an int: top alternatives, 0 = the token's only)."""
-    if body.logprobs is None:
-        return -1
-    if not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {body.logprobs}",
-                          "logprobs")
-    return body.logprobs
+def max_tokens_of(body: _Common) -> int | None:
+    chat_max = getattr(body, "max_completion_tokens", None)
+    return chat_max if chat_max is not None else body.max_tokens
 
 
-def chat_logprobs(body: ChatCompletionRequest) -> int:
-    """/v1/chat/completions' logprobs (bool) and top_logprobs (0..20)."""
-    top = body.top_logprobs
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {top}",
-                          "top_logprobs")
-    if top and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    return (top or 0) if body.logprobs else -1
+def chat_door(body: ChatCompletionRequest) -> Door:
+    """Chat's names, with the length field the request used."""
+    if body.max_completion_tokens is None:
+        return CHAT
+    return replace(CHAT, names={**CHAT.names, "max_new_tokens": "max_completion_tokens"})
