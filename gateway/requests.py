@@ -61,9 +61,11 @@ class RequestFields:
     top_logprobs: int | None = None
 
 
-# Fields that, given explicitly, a resume must leave equal to the turn it continues.
+# Fields that, given explicitly, a resume must leave equal to the turn it continues; those in
+# OPTIONAL count as given when not None, the others when not empty (0, False, "", ()).
 SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed",
             "num_draft_tokens", "disable_speculation", "drafter")
+OPTIONAL = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
 
 
 @dataclass(frozen=True)
@@ -159,9 +161,8 @@ def validate(f: RequestFields, config: GatewayConfig, door: Door,
     _check_prompt(f, door, vocab_size)
     _check_sampling(f, door, config)
     _check_speculation(f, door)
-    given = {name for name in SETTINGS if getattr(f, name) not in (None, (), 0, False, "")}
-    given |= {name for name in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
-              if getattr(f, name) is not None}
+    given = {name for name in SETTINGS if getattr(f, name) is not None and
+             (name in OPTIONAL or getattr(f, name))}
     return GenerationSpec(
         prompt=f.prompt,
         prompt_ids=tuple(f.prompt_ids),

@@ -136,3 +136,29 @@ def test_the_proto_has_every_field_the_grpc_door_names():
         for part in name.split("."):
             field = message.fields_by_name[part]  # KeyError if the proto has no such field
             message = field.message_type or message
+
+
+def test_a_resume_keeps_the_turns_settings_and_rejects_a_different_one():
+    from gateway.turns import TurnRecord, resumed_spec
+
+    original = validate(RequestFields(prompt="x", temperature=0.7, top_k=5, seed=3,
+                                      max_new_tokens=40, stop=("\n",)), CONFIG, GRPC, VOCAB)
+    turn = TurnRecord.begin(original, start=10, prompt_tokens=10, seed=3)
+    # a resume that gives no setting continues with the turn's own
+    spec = resumed_spec(validate(RequestFields(session_id="s", resume_from=12), CONFIG, GRPC,
+                                 VOCAB), turn)
+    assert (spec.params.temperature, spec.params.top_k, spec.seed) == (0.7, 5, 3)
+    assert (spec.max_new_tokens, spec.stop, spec.resume_from) == (40, ("\n",), 12)
+    # one that repeats a setting unchanged is fine, even a default-looking one
+    same = validate(RequestFields(session_id="s", resume_from=12, temperature=0.7, top_k=5),
+                    CONFIG, GRPC, VOCAB)
+    assert resumed_spec(same, turn).params.temperature == 0.7
+    # one that changes a setting is refused, naming it as the gRPC API does
+    for change, neutral, name in ((dict(temperature=0.0), "temperature", "sampling.temperature"),
+                                  (dict(top_k=0), "top_k", "sampling.top_k"),
+                                  (dict(drafter="ngram"), "drafter", "speculation.drafter")):
+        other = validate(RequestFields(session_id="s", resume_from=12, **change), CONFIG, GRPC,
+                         VOCAB)
+        with pytest.raises(InvalidArgument, match=f"^{name} is .* was started with") as err:
+            resumed_spec(other, turn)
+        assert err.value.field == neutral
