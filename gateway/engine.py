@@ -33,7 +33,6 @@ from gateway.telemetry import RequestTelemetry
 from gateway.turns import TurnRecord, resumed_spec
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, PermissionDenied, Unavailable
-from services.messages import check_token_ids
 from services.metrics import GatewayMetrics
 from services.session_store import SessionHandle, SessionStore
 
@@ -121,8 +120,7 @@ class GenerationEngine:
             self.metrics.active.add(-1)
 
     async def _tokenize(self, spec: GenerationSpec, continuing: bool) -> list[int]:
-        if spec.prompt_ids:
-            check_token_ids(spec.prompt_ids, self.limits.vocab_size, "prompt_token_ids")
+        if spec.prompt_ids:  # checked against the vocabulary by gateway/requests.validate
             return list(spec.prompt_ids)
         if not spec.prompt:
             return []

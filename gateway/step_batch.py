@@ -13,7 +13,7 @@ step: one ``VerifyBatch`` or ``DraftBatch`` RPC, whose calls the replica runs in
 (or one run of k passes). A step gathers its wave first (see the class), so sessions fall
 into cohorts that take turns, one verifying while the other drafts, and each pass holds
 every session that is ready: at 16 streams the verifier's passes went from 4.8 to 6.9
-sessions and the mesh's CPU per token from 3.2 to 2.2 ms (docs/performance.md). A step of
+sessions and the mesh's CPU per token from 4.8 to 2.2 ms (docs/performance.md). A step of
 one call (a lone stream) goes over the usual path, one stream message, as before.
 
 Each call keeps its own outcome: a resync or a bad request fails that call only; a step

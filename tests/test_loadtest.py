@@ -134,3 +134,4 @@ def test_target_without_draft_is_one_line_and_exit_2():
     result = CliRunner().invoke(app, ["load", "--target", "/nonexistent"])
     assert result.exit_code == 2
     assert "--target and --draft go together" in result.output
+    assert "Traceback" not in result.output
