@@ -56,10 +56,13 @@ class DrafterEngine(ModelEngine):
                     call.num_tokens - 1)
         generator = torch.Generator().manual_seed(call.seed)
 
-        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash) as entry:
-            job = _DraftJob(entry, list(delta.new_tokens), call, generator)
+        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
+                                  delta.new_tokens) as entry:
+            skip = len(entry.tokens) - delta.base_len  # restored from the prefix cache
+            fed = list(delta.new_tokens[skip:])
+            job = _DraftJob(entry, fed, call, generator)
             drafts, ms, batch = await self.runner.submit(job)
-            self.stats.fed_tokens += len(delta.new_tokens)
+            self.stats.fed_tokens += len(fed)
             self.stats.draft_tokens += len(drafts)
             return DraftResult(
                 token_ids=tuple(t for t, _, _ in drafts),
@@ -76,12 +79,14 @@ class DrafterEngine(ModelEngine):
         check_speculate(call, self.max_draft_tokens)
         check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens,
                     call.num_tokens + 1)
-        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash) as entry:
-            job = SoloJob(lambda model, device: draft_tree(
-                model, entry, list(delta.new_tokens), call, device),
-                passes=1 + call.num_tokens)
+        committed = len(delta.new_tokens) - call.num_drafts  # the rest are this round's drafts
+        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
+                                  delta.new_tokens, committed) as entry:
+            fed = list(delta.new_tokens[len(entry.tokens) - delta.base_len:])
+            job = SoloJob(lambda model, device: draft_tree(model, entry, fed, call, device),
+                          passes=1 + call.num_tokens)
             (branches, _), ms, batch = await self.runner.submit(job)
-            self.stats.fed_tokens += len(delta.new_tokens)
+            self.stats.fed_tokens += len(fed)
             self.stats.draft_tokens += sum(len(b.draft.token_ids) for b in branches)
             return SpeculateResult(branches=branches, cached_len=len(entry.tokens),
                                    cache_hit=delta.base_len > 0, compute_ms=ms, batch_size=batch)

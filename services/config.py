@@ -126,6 +126,8 @@ class ModelServiceConfig:
     advertise: str = ""  # address gateways should dial; "" = host:port (hostname for 0.0.0.0)
     forward: str = "auto"  # "auto": the lean forward (prepacked weights on a CPU) where
     #                        supported; "lean": without prepacking; "hf": transformers'
+    prefix_cache_mb: int = 256  # KV blocks of committed prefixes shared across sessions; 0 = off
+    prefix_block: int = 16  # tokens per prefix-cache block
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
@@ -138,6 +140,10 @@ class ModelServiceConfig:
         _require(self.max_sessions >= 1, "max sessions must be >= 1")
         _require(1 <= self.max_draft_tokens <= 64, "max draft tokens must be in 1..64")
         _require(1 <= self.max_batch <= 256, f"max batch must be in 1..256, got {self.max_batch}")
+        _require(self.prefix_cache_mb >= 0,
+                 f"prefix cache size must be >= 0 MB, got {self.prefix_cache_mb}")
+        _require(1 <= self.prefix_block <= 1024,
+                 f"prefix block size must be in 1..1024 tokens, got {self.prefix_block}")
 
 
 @dataclass(frozen=True)

@@ -160,4 +160,16 @@ def stats_to_pb(s: ReplicaStats, caches, queue_depth: int) -> common_pb2.Replica
         draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
         evictions=caches.evictions, queue_depth=queue_depth, kv_tokens=caches.total_tokens(),
         kv_token_budget=caches.max_tokens or 0, forward_ms=s.forward_ms,
-        forward_passes=s.forward_passes, batched_calls=s.batched_calls)
+        forward_passes=s.forward_passes, batched_calls=s.batched_calls,
+        **_prefix_stats(caches.prefix))
+
+
+def _prefix_stats(prefix) -> dict:
+    """The ReplicaStats fields of a replica's prefix cache (None: off)."""
+    if prefix is None:
+        return {}
+    p = prefix.stats
+    return dict(prefix_lookups=p.lookups, prefix_hits=p.hits, prefix_lookup_tokens=p.lookup_tokens,
+                prefix_hit_tokens=p.hit_tokens, prefix_blocks=len(prefix),
+                prefix_block_budget=prefix.max_blocks, prefix_evicted_blocks=p.evicted_blocks,
+                prefix_block_size=prefix.block)

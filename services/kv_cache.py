@@ -5,19 +5,24 @@ holds. A caller names the prefix it assumes (``base_len`` tokens hashing to
 ``base_hash``); when the cache holds that prefix (possibly followed by tokens
 that were not committed, e.g. rejected drafts) it is cropped to it and reused;
 otherwise the caller is told to resync. A handle is never silently wrong.
+
+With a prefix cache (services/prefix_cache.py), a session that starts afresh begins with
+the longest prefix of its tokens that the replica's prefix cache holds, and the full blocks
+of every session's committed tokens are published to it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.errors import Busy, ResyncRequired
 from services.hashing import token_hash
+from services.prefix_cache import PrefixCache, restore
 
 
 @dataclass
@@ -25,6 +30,8 @@ class SessionCache:
     tokens: list[int]
     kv: Any  # a DynamicCache or SlabCache (services/kv_slab.py); holds len(tokens) positions
     last_used: float = field(default_factory=time.monotonic)
+    published: int = 0  # leading tokens whose blocks are in the prefix cache
+    chain: int = 0  # the hash of the last of those blocks (0: none)
 
     def crop(self, length: int) -> None:
         """Keeps the first ``length`` positions (cache.crop(-n) drops the last n)."""
@@ -42,8 +49,9 @@ class SessionCaches:
     and never evicted."""
 
     def __init__(self, max_sessions: int, new_kv: Callable[[], Any],
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, prefix: PrefixCache | None = None) -> None:
         self._max = max_sessions
+        self.prefix = prefix if prefix is not None and prefix.enabled else None
         self._max_tokens = max_tokens
         self._tokens = 0  # tokens held by the entries at rest
         self._new_kv = new_kv
@@ -60,20 +68,29 @@ class SessionCaches:
         return session_id in self._entries
 
     @contextmanager
-    def checkout(self, session_id: str, base_len: int, base_hash: int) -> Iterator[SessionCache]:
+    def checkout(self, session_id: str, base_len: int, base_hash: int,
+                 new_tokens: Sequence[int] = (), committed: int | None = None
+                 ) -> Iterator[SessionCache]:
         """Yields the session's cache cropped to ``base_len`` tokens.
 
-        base_len == 0 starts the session afresh. Raises ResyncRequired when the
-        cache does not hold the named prefix, Busy when another call is using
-        the session. If the body raises, the session's cache is dropped (it may
-        be half-written), so the next call resyncs.
+        base_len == 0 starts the session afresh: with a prefix cache, from the longest
+        cached prefix of ``new_tokens`` (the call's tokens after the base, of which the
+        first ``committed`` are committed; default all), leaving at least the last committed
+        one to compute. The body then feeds ``new_tokens[len(entry.tokens) - base_len:]``.
+        Raises ResyncRequired when the cache does not hold the named prefix, Busy when
+        another call is using the session. If the body raises, the session's cache is
+        dropped (it may be half-written), so the next call resyncs. When it returns, the
+        full blocks of the committed tokens go to the prefix cache.
         """
+        committed = len(new_tokens) if committed is None else committed
         if session_id in self._busy:
             raise Busy(f"session {session_id!r} is busy with another call on this replica")
         entry = self._entries.get(session_id)
         if base_len == 0:
             self.fresh_prefills += 1
             entry = SessionCache(tokens=[], kv=self._new_kv())
+            if self.prefix is not None and entry.kv is not None:
+                self._restore(entry, new_tokens, committed - 1)
         elif entry is None:
             self.resyncs_requested += 1
             raise ResyncRequired(
@@ -86,6 +103,8 @@ class SessionCaches:
                 f"start with the assumed {base_len}-token prefix: resend with base_len=0")
         else:
             entry.crop(base_len)
+            if entry.published > base_len:  # a committed tail was taken back: re-walk
+                entry.published, entry.chain = 0, 0
         self._remove(session_id)
         self._busy.add(session_id)
         try:
@@ -94,10 +113,30 @@ class SessionCaches:
             self._busy.discard(session_id)
             raise
         self._busy.discard(session_id)
+        if self.prefix is not None and entry.kv is not None:
+            self._publish(entry, base_len + committed)
         entry.last_used = time.monotonic()
         self._entries[session_id] = entry
         self._tokens += len(entry.tokens)
         self._evict()
+
+    def _restore(self, entry: SessionCache, tokens: Sequence[int], limit: int) -> None:
+        hashes, blocks = self.prefix.lookup(tokens, limit)
+        if blocks:
+            restore(entry.kv, blocks)
+            entry.published = len(blocks) * self.prefix.block
+            entry.tokens = list(tokens[:entry.published])
+            entry.chain = hashes[-1]
+
+    def _publish(self, entry: SessionCache, committed: int) -> None:
+        """Publishes the full blocks of the first ``committed`` tokens not yet published."""
+        block = self.prefix.block
+        end = min(committed, len(entry.tokens))
+        while entry.published + block <= end:
+            start = entry.published
+            entry.chain = self.prefix.insert(entry.chain, entry.tokens[start:start + block],
+                                             entry.kv, start)
+            entry.published += block
 
     def total_tokens(self) -> int:
         return self._tokens

@@ -19,6 +19,7 @@ from services.messages import CacheDelta
 from services.metrics import ModelServiceMetrics
 from services.model_runner import ModelRunner
 from services.models import kv_bytes_per_token, load_for_serving
+from services.prefix_cache import PrefixCache
 from services.registry import Registration
 from services.server import serve
 from services.telemetry import Telemetry
@@ -37,7 +38,9 @@ def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]
             raise ValueError(
                 f"--kv-budget-mb {config.kv_budget_mb} holds {max_tokens} tokens, less than one "
                 f"full-context session ({meta.max_context} tokens of {per_token} bytes): raise it")
-    return runner, SessionCaches(config.max_sessions, runner.new_kv, max_tokens)
+    per_block = kv_bytes_per_token(model) * config.prefix_block
+    prefix = PrefixCache(config.prefix_block, config.prefix_cache_mb * 1024 * 1024 // per_block)
+    return runner, SessionCaches(config.max_sessions, runner.new_kv, max_tokens, prefix)
 
 
 def build_metrics(telemetry: Telemetry, kind: str, engine,

@@ -92,6 +92,14 @@ def _server(port: int, host: str, tls_cert: str, tls_key: str, tls_ca: str, heal
 KvBudget = Annotated[int, typer.Option("--kv-budget-mb", envvar="SPECMESH_KV_BUDGET_MB",
                                        help="KV cache memory budget; idle sessions are "
                                             "evicted least recently used first (0 = none).")]
+PrefixCacheMb = Annotated[int, typer.Option(
+    "--prefix-cache-mb", envvar="SPECMESH_PREFIX_CACHE_MB",
+    help="Memory for KV blocks of committed prefixes, reused by sessions that start with the "
+         "same tokens (system prompts, earlier turns); least recently used out first (0 = "
+         "off).")]
+PrefixBlock = Annotated[int, typer.Option("--prefix-block", envvar="SPECMESH_PREFIX_BLOCK",
+                                          help="Tokens per prefix-cache block: a prompt reuses "
+                                               "its cached prefix in whole blocks.")]
 Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                       help="auto: Llama-architecture models run a lean forward "
                                            "(less Python per call; on a CPU with weights "
@@ -103,7 +111,8 @@ Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
 def _model_service(kind: str, server, model, device, dtype, max_sessions, max_draft, threads,
                    max_queue, telemetry, drafter_kind: str = "model", redis: str = "",
                    advertise: str = "", kv_budget_mb: int = 0, max_batch: int = 16,
-                   forward: str = "auto") -> None:
+                   forward: str = "auto", prefix_cache_mb: int = 256,
+                   prefix_block: int = 16) -> None:
     from services.config import ModelServiceConfig
 
     model = model_reference(model, "--model")
@@ -114,7 +123,8 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                                     max_queue=max_queue, max_batch=max_batch,
                                     kind=drafter_kind, redis_url=redis,
                                     advertise=advertise, kv_budget_mb=kv_budget_mb,
-                                    forward=forward)
+                                    forward=forward, prefix_cache_mb=prefix_cache_mb,
+                                    prefix_block=prefix_block)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if kind == "drafter":
@@ -137,14 +147,15 @@ def drafter(model: Model,
             log_format: LogFormat = "json",
             log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "",
             kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "", tls_key: TlsKey = "",
-            tls_ca: TlsCa = "", health_port: HealthPort = 0, forward: Forward = "auto") -> None:
+            tls_ca: TlsCa = "", health_port: HealthPort = 0, forward: Forward = "auto",
+            prefix_cache_mb: PrefixCacheMb = 256, prefix_block: PrefixBlock = 16) -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
     _model_service("drafter", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("drafter", metrics_port, log_format, log_level), kind, redis,
-                   advertise, kv_budget_mb, max_batch, forward)
+                   advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block)
 
 
 @app.command()
@@ -156,13 +167,14 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              log_level: LogLevel = "info", redis: Redis = "",
              advertise: Advertise = "", kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "",
              tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0,
-             forward: Forward = "auto") -> None:
+             forward: Forward = "auto", prefix_cache_mb: PrefixCacheMb = 256,
+             prefix_block: PrefixBlock = 16) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("verifier", metrics_port, log_format, log_level), "model", redis,
-                   advertise, kv_budget_mb, max_batch, forward)
+                   advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block)
 
 
 @app.command()

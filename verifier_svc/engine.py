@@ -78,11 +78,12 @@ class VerifierEngine(ModelEngine):
         draft = self._sparse_draft(call)
         generator = torch.Generator().manual_seed(call.seed)
 
-        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash) as entry:
-            job = _VerifyJob(entry, delta.base_len, list(delta.new_tokens), call, draft,
-                             generator)
+        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
+                                  delta.new_tokens) as entry:
+            skip = len(entry.tokens) - delta.base_len  # restored from the prefix cache
+            job = _VerifyJob(entry, list(delta.new_tokens[skip:]), call, draft, generator)
             (accepted, extra), ms, batch = await self.runner.submit(job)
-            self.stats.fed_tokens += len(delta.new_tokens)
+            self.stats.fed_tokens += len(job.pending)
             self.stats.draft_tokens += k
             self.stats.accepted_tokens += accepted
             return VerifyResult(num_accepted=accepted, extra_token=extra,
@@ -94,9 +95,9 @@ class _VerifyJob(StepJob):
     """One pass: the pending tokens and the k drafts, then the acceptance rule on the
     last k+1 logits (params and draft were validated before, off the model thread)."""
 
-    def __init__(self, entry: SessionCache, base_len: int, pending: list[int],
-                 call: VerifyCall, draft: SparseDraft, generator: torch.Generator) -> None:
-        self.entry, self.base_len, self.pending = entry, base_len, pending
+    def __init__(self, entry: SessionCache, pending: list[int], call: VerifyCall,
+                 draft: SparseDraft, generator: torch.Generator) -> None:
+        self.entry, self.start, self.pending = entry, len(entry.tokens), pending
         self.call, self.draft, self.generator = call, draft, generator
         self._result: tuple[int, int] | None = None
         self.logprobs: tuple[TokenLogprobs, ...] = ()
@@ -108,7 +109,7 @@ class _VerifyJob(StepJob):
     def next_row(self) -> Row:
         k = len(self.call.draft_ids)
         return Row(tokens=self.pending + list(self.call.draft_ids), kv=self.entry.kv,
-                   start=self.base_len, keep=k + 1)
+                   start=self.start, keep=k + 1)
 
     def take(self, logits: torch.Tensor) -> None:  # logits [k+1, V]
         entry, params = self.entry, self.call.params
@@ -119,7 +120,7 @@ class _VerifyJob(StepJob):
         else:
             accepted, extra = accept_sampled(self.draft, warp_logits(logits, params),
                                              self.generator)
-        entry.crop(self.base_len + len(self.pending) + accepted)
+        entry.crop(self.start + len(self.pending) + accepted)
         self._result = (accepted, extra)
         if self.call.logprobs >= 0:
             self.logprobs = _logprobs(logits[: accepted + 1],

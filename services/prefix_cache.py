@@ -1,0 +1,142 @@
+"""A replica's prefix cache: KV blocks of committed token prefixes, shared across sessions.
+
+A session that starts (base_len 0) with a prompt whose first blocks some earlier session
+already computed gets those positions' keys and values copied from here and computes only
+the rest, as vLLM's automatic prefix caching does. Chat traffic repeats long system prompts
+and whole conversations; without it every prompt is computed in full on every replica.
+
+Blocks hold ``block`` tokens each and are named by a chained hash (services/hashing.py
+``block_hash``): block i's hash covers its own tokens and block i-1's hash, so a hash names
+the whole prefix up to the block's end and a lookup walks the prompt block by block,
+stopping at the first miss. Keys and values at a position depend only on the tokens up to
+it, so a block computed in one session's pass holds what a fresh pass would compute (the
+same numbers; a hit's logits differ from a full prefill's only by float summation order,
+as a batched pass's do).
+
+Memory: at most ``max_blocks`` blocks, least recently used out first. A lookup touches the
+blocks it matched deepest first, so a prefix's first block is the most recent of its
+chain and a chain is evicted from its tail (a block whose parent is gone could never be
+matched again). Blocks are copies: a session's own cache (services/kv_cache.py) and the
+blocks published from it hold the same positions twice.
+
+The replica publishes which blocks it holds (``drain_changes``) to a Redis index the
+gateway routes new sessions by (services/prefix_index.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.hashing import block_hash, block_hashes
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0  # fresh sessions that looked for a cached prefix
+    hits: int = 0  # of which found at least one block
+    hit_tokens: int = 0  # prompt tokens not computed thanks to a hit
+    lookup_tokens: int = 0  # prompt tokens looked up (the hit rate's denominator)
+    inserted_blocks: int = 0
+    evicted_blocks: int = 0
+
+
+def extract_block(kv: Any, start: int, end: int) -> torch.Tensor:
+    """Positions [start, end) of a session's cache (SlabCache or DynamicCache, batch 1) as one
+    tensor [L, 2, KV, end-start, D] (a copy)."""
+    return torch.stack([torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
+                        for layer in kv.layers])
+
+
+def restore(kv: Any, blocks: Sequence[torch.Tensor]) -> None:
+    """Writes ``blocks`` (each [L, 2, KV, n, D], consecutive) into the empty cache ``kv``."""
+    whole = torch.cat(list(blocks), dim=3) if len(blocks) > 1 else blocks[0]  # [L, 2, KV, P, D]
+    for layer in range(whole.shape[0]):
+        kv.update(whole[layer, 0][None], whole[layer, 1][None], layer)  # [1, KV, P, D] each
+
+
+class PrefixCache:
+    """hash -> KV block, LRU within ``max_blocks``; ``max_blocks`` 0 disables the cache."""
+
+    def __init__(self, block: int, max_blocks: int) -> None:
+        if block < 1:
+            raise ValueError(f"prefix block size must be >= 1, got {block}")
+        self.block = block
+        self.max_blocks = max_blocks
+        self.stats = PrefixStats()
+        self._blocks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._added: set[int] = set()  # since the last drain_changes
+        self._removed: set[int] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_blocks > 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._blocks
+
+    def lookup(self, tokens: Sequence[int], limit: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The longest run of cached blocks that starts ``tokens`` and ends within its first
+        ``limit`` tokens: (their hashes, their KV blocks)."""
+        if not self.enabled:
+            return [], []
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += len(tokens)
+        hashes, blocks = [], []
+        for h in block_hashes(tokens[:limit], self.block):
+            kv = self._blocks.get(h)
+            if kv is None:
+                break
+            hashes.append(h)
+            blocks.append(kv)
+        for h in reversed(hashes):  # deepest first: the chain's head ends up most recent
+            self._blocks.move_to_end(h)
+        if blocks:
+            self.stats.hits += 1
+            self.stats.hit_tokens += len(blocks) * self.block
+        return hashes, blocks
+
+    def insert(self, parent: int, tokens: Sequence[int], kv: Any, start: int) -> int:
+        """Publishes the block of ``tokens`` (``block`` of them, at positions start.. of the
+        session cache ``kv``) after the block hashed ``parent`` (0: the first block); returns
+        its hash. A block already held is only touched."""
+        h = block_hash(parent, tokens)
+        if not self.enabled:
+            return h
+        if h in self._blocks:
+            self._blocks.move_to_end(h)
+        else:
+            self._blocks[h] = extract_block(kv, start, start + self.block)
+            self.stats.inserted_blocks += 1
+            self._added.add(h)
+            self._removed.discard(h)
+        if parent in self._blocks:  # keep the parent more recent than its child
+            self._blocks.move_to_end(parent)
+        self._evict()
+        return h
+
+    def _evict(self) -> None:
+        while len(self._blocks) > self.max_blocks:
+            h, _ = self._blocks.popitem(last=False)
+            self.stats.evicted_blocks += 1
+            if h in self._added:
+                self._added.discard(h)
+            else:
+                self._removed.add(h)
+
+    def drain_changes(self) -> tuple[set[int], set[int]]:
+        """(blocks added, blocks removed) since the last call, for the routing index."""
+        added, removed = self._added, self._removed
+        self._added, self._removed = set(), set()
+        return added, removed
+
+    def held(self) -> list[int]:
+        """Every block hash held now (a full republish after the index was lost)."""
+        return list(self._blocks)
