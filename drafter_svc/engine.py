@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from drafter_svc.tree import draft_tree
-from services.batching import Row, StepJob
+from services.batching import FeedJob, Row
 from services.errors import InvalidArgument
 from services.kv_cache import SessionCache
 from services.messages import DraftCall, DraftResult, SpeculateCall, SpeculateResult
@@ -60,7 +60,7 @@ class DrafterEngine(ModelEngine):
                                   delta.new_tokens) as entry:
             skip = len(entry.tokens) - delta.base_len  # restored from the prefix cache
             fed = list(delta.new_tokens[skip:])
-            job = _DraftJob(entry, fed, call, generator)
+            job = _DraftJob(entry, list(fed), self.prefill_chunk, call, generator)
             drafts, ms, batch = await self.runner.submit(job)
             self.stats.fed_tokens += len(fed)
             self.stats.draft_tokens += len(drafts)
@@ -92,22 +92,24 @@ class DrafterEngine(ModelEngine):
                                    cache_hit=delta.base_len > 0, compute_ms=ms, batch_size=batch)
 
 
-class _DraftJob(StepJob):
-    """num_tokens passes: the pending tokens, then each sampled draft token in turn."""
+class _DraftJob(FeedJob):
+    """num_tokens passes (after the chunks of a long prompt): the pending tokens, then each
+    sampled draft token in turn."""
 
-    def __init__(self, entry: SessionCache, pending: list[int], call: DraftCall,
+    def __init__(self, entry: SessionCache, pending: list[int], chunk: int, call: DraftCall,
                  generator: torch.Generator) -> None:
-        self.entry, self.pending, self.call, self.generator = entry, pending, call, generator
+        super().__init__(entry, pending, chunk)
+        self.call, self.generator = call, generator
         self.out: list[tuple[int, list[int], list[float]]] = []
 
     @property
     def done(self) -> bool:
         return len(self.out) >= self.call.num_tokens
 
-    def next_row(self) -> Row:
+    def row(self) -> Row:
         return Row(tokens=self.pending, kv=self.entry.kv, start=len(self.entry.tokens), keep=1)
 
-    def take(self, logits: torch.Tensor) -> None:  # logits [1, V]
+    def use(self, logits: torch.Tensor) -> None:  # logits [1, V]
         self.entry.tokens.extend(self.pending)
         greedy = self.call.params.greedy
         probs = logits if greedy else warp_logits(logits, self.call.params)  # [1, V]

@@ -81,7 +81,7 @@ def build_engine(config: ModelServiceConfig) -> DrafterEngine | NgramDrafterEngi
         return NgramDrafterEngine(describe_without_weights(config.model), caches,
                                   config.max_draft_tokens)
     runner, caches = build_parts(config)
-    return DrafterEngine(runner, caches, config.max_draft_tokens)
+    return DrafterEngine(runner, caches, config.max_draft_tokens, config.prefill_chunk)
 
 
 def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:

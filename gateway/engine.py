@@ -74,7 +74,8 @@ class GenerationEngine:
         self.drafters = drafters
         self.verifiers = verifiers
         self.store = store
-        self.rounds = RoundRunner(config, drafters, verifiers, lambda: self._inflight)
+        self.rounds = RoundRunner(config, drafters, verifiers, lambda: self._inflight,
+                                  index=store.client)
         meter = meter or metrics_api.NoOpMeterProvider().get_meter("specmesh")
         self.metrics = GatewayMetrics(meter, lambda: self._inflight)
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,

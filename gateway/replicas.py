@@ -2,8 +2,10 @@
 
 Routing: a session stays on the replica that holds its cache while that
 replica is up; a new session goes to the up replica with the fewest requests
-in flight from this gateway. A replica that fails a call is marked down for
-``retry_s`` and the session moves (its cache is rebuilt by a resync).
+in flight from this gateway, unless one holds a cached prefix of its prompt
+(services/prefix_index.py) and is not much busier: then to the one holding most.
+A replica that fails a call is marked down for ``retry_s`` and the session moves
+(its cache is rebuilt by a resync).
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ _BATCHED = {"verifier": ("Verify", "VerifyBatch", wrap_verify, verifier_pb2.Veri
             "drafter": ("Draft", "DraftBatch", wrap_draft, drafter_pb2.DraftBatchRequest)}
 
 
+def _busy(replica: Replica) -> int:
+    """Calls in flight to it from this gateway, and its queue as it last reported."""
+    return replica.inflight + replica.load.get("queue_depth", 0)
+
+
 class ReplicaPool:
     def __init__(self, kind: str, addresses: tuple[str, ...], retry_s: float,
                  channel_options: list[tuple[str, int]], interceptors: list | None = None,
@@ -130,8 +137,12 @@ class ReplicaPool:
         return {r.info.kind for r in self.replicas.values() if r.info is not None}
 
     def pick(self, prefer: str = "", exclude: frozenset[str] = frozenset(),
-             kind: str = "") -> Replica | None:
-        """``kind``: only replicas whose ModelInfo reports that kind ("" = any)."""
+             kind: str = "", cached: dict[str, int] | None = None,
+             affinity: int = -1) -> Replica | None:
+        """``kind``: only replicas whose ModelInfo reports that kind ("" = any). ``cached``:
+        address -> prompt tokens the prefix index says it holds; the one holding most wins
+        while it runs at most ``affinity`` more requests than the least busy one (-1: load
+        alone)."""
         allowed = [r for r in self.replicas.values() if r.address not in exclude and r.admitted
                    and (not kind or (r.info is not None and r.info.kind == kind))]
         preferred = self.replicas.get(prefer)
@@ -141,8 +152,13 @@ class ReplicaPool:
         candidates = [r for r in allowed if r.up] or allowed
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (r.inflight + r.load.get("queue_depth", 0),
-                                              r.load.get("sessions", 0), r.failures))
+        if cached and affinity >= 0:
+            least = min(_busy(r) for r in candidates)
+            near = [r for r in candidates
+                    if cached.get(r.address, 0) > 0 and _busy(r) <= least + affinity]
+            if near:
+                return max(near, key=lambda r: (cached[r.address], -_busy(r)))
+        return min(candidates, key=lambda r: (_busy(r), r.load.get("sessions", 0), r.failures))
 
     def mark_down(self, replica: Replica) -> None:
         replica.failures += 1

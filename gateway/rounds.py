@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway import clients
 from gateway.clients import ReplicaFailed
@@ -46,6 +48,7 @@ from services.messages import (
     VerifyResult,
 )
 from services.params import SamplingParams
+from services.prefix_index import cached_tokens
 from services.session_store import SessionHandle
 
 log = logging.getLogger(__name__)
@@ -136,12 +139,15 @@ def _common_prefix(a, b) -> int:
 
 class RoundRunner:
     def __init__(self, config: GatewayConfig, drafters: ReplicaPool,
-                 verifiers: ReplicaPool, requests: Callable[[], int] = lambda: 1) -> None:
-        """``requests``: how many requests the gateway runs now (trees back off under load)."""
+                 verifiers: ReplicaPool, requests: Callable[[], int] = lambda: 1,
+                 index: aioredis.Redis | None = None) -> None:
+        """``requests``: how many requests the gateway runs now (trees back off under load).
+        ``index``: the Redis holding the replicas' prefix index (None: route by load)."""
         self.config = config
         self.drafters = drafters
         self.verifiers = verifiers
         self._requests = requests
+        self._index = index
 
     async def run(self, h: SessionHandle, params: SamplingParams, k: int, kind: str, seed: int,
                   round_index: int, deadline: Callable[[], float | None],
@@ -260,7 +266,9 @@ class RoundRunner:
         cut short by the request's own deadline is the request's failure, not the replica's."""
         holder, valid = getattr(h, role), getattr(h, f"{role}_len")
         tried: set[str] = set()
-        while (replica := pool.pick(holder, frozenset(tried), kind)) is not None:
+        cached = await self._cached(pool, role, h, holder, kind)
+        while (replica := pool.pick(holder, frozenset(tried), kind, cached,
+                                    self.config.prefix_affinity)) is not None:
             base = min(valid, len(h.tokens) - 1) if replica.address == holder else 0
             try:
                 try:
@@ -282,6 +290,27 @@ class RoundRunner:
             setattr(h, role, replica.address)
             return result
         return None
+
+    async def _cached(self, pool: ReplicaPool, role: str, h: SessionHandle, holder: str,
+                      kind: str) -> dict[str, int]:
+        """address -> committed tokens of the session the prefix index says each replica
+        holds, when the session needs placing (no replica holds it, or the one that does is
+        down) and there is a choice; else (and when Redis cannot tell) {}."""
+        current = pool.replicas.get(holder)
+        if self._index is None or self.config.prefix_affinity < 0 or (
+                current is not None and current.up):
+            return {}
+        replicas = [(r.address, r.info.prefix_block_size) for r in pool.replicas.values()
+                    if r.admitted and r.info is not None and r.info.prefix_block_size > 0
+                    and (not kind or r.info.kind == kind)]
+        if len(replicas) < 2:
+            return {}
+        try:
+            return await cached_tokens(self._index, role, h.tokens, replicas)
+        except RedisError as exc:
+            log.info("prefix index unreadable (%s): placing session %s by load", exc,
+                     h.session_id)
+            return {}
 
     async def _draft(self, h: SessionHandle, params: SamplingParams, k: int, kind: str,
                      seed: int, deadline) -> DraftResult | None:

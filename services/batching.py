@@ -135,6 +135,38 @@ class StepJob:
         raise NotImplementedError
 
 
+class FeedJob(StepJob):
+    """A job that first feeds ``pending`` onto a session's cache (``entry``, a
+    SessionCache). A run longer than ``chunk`` tokens goes ``chunk`` at a time, one pass
+    each (chunked prefill), so a long prompt does not hold back the other sessions' calls
+    that share its passes for its whole prefill; the last ``chunk`` or fewer go with the
+    job's own first row (``row``/``use``). chunk 0: all at once."""
+
+    def __init__(self, entry, pending: list[int], chunk: int) -> None:
+        self.entry, self.pending, self.chunk = entry, pending, chunk
+        self._feeding = False
+
+    def next_row(self) -> Row:
+        self._feeding = 0 < self.chunk < len(self.pending)
+        if self._feeding:
+            return Row(tokens=self.pending[:self.chunk], kv=self.entry.kv,
+                       start=len(self.entry.tokens), keep=1)
+        return self.row()
+
+    def take(self, logits: torch.Tensor) -> None:
+        if self._feeding:
+            self.entry.tokens.extend(self.pending[:self.chunk])
+            del self.pending[:self.chunk]
+            return
+        self.use(logits)
+
+    def row(self) -> Row:
+        raise NotImplementedError
+
+    def use(self, logits: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
 def run_step(model, jobs: Sequence[StepJob], device: torch.device,
              new_cache: Callable[[], Any]) -> tuple[list[BaseException | None], float]:
     """One forward pass over each job's next row; returns (per job its error or None, the

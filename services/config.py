@@ -128,6 +128,7 @@ class ModelServiceConfig:
     #                        supported; "lean": without prepacking; "hf": transformers'
     prefix_cache_mb: int = 256  # KV blocks of committed prefixes shared across sessions; 0 = off
     prefix_block: int = 16  # tokens per prefix-cache block
+    prefill_chunk: int = 256  # a longer prompt is fed this many tokens per pass; 0 = at once
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
@@ -142,6 +143,8 @@ class ModelServiceConfig:
         _require(1 <= self.max_batch <= 256, f"max batch must be in 1..256, got {self.max_batch}")
         _require(self.prefix_cache_mb >= 0,
                  f"prefix cache size must be >= 0 MB, got {self.prefix_cache_mb}")
+        _require(self.prefill_chunk >= 0,
+                 f"prefill chunk must be >= 0 tokens (0 = off), got {self.prefill_chunk}")
         _require(1 <= self.prefix_block <= 1024,
                  f"prefix block size must be in 1..1024 tokens, got {self.prefix_block}")
 
@@ -219,6 +222,9 @@ class GatewayConfig:
     spec_fanout: int = 16  # most branches of the speculation cache per round
     spec_max_requests: int = 1  # trees only while the gateway runs at most this many requests
     step_batching: bool = True  # Draft/Verify calls made meanwhile go as one RPC per step
+    prefix_affinity: int = 4  # a new session goes to the replica caching most of its prompt
+    #                           while it runs at most this many more requests than the least
+    #                           busy one (-1: routing by load alone)
     discovery: str = "static"  # or "kubernetes": follow the EndpointSlices of two Services
     namespace: str = "default"
     drafter_service: str = ""
@@ -243,6 +249,7 @@ class GatewayConfig:
         _require(1 <= self.max_support <= 256, "max support must be in 1..256")
         _require(1 <= self.spec_fanout <= 64, "speculation fan-out must be in 1..64")
         _require(self.spec_max_requests >= 1, "speculation max requests must be >= 1")
+        _require(self.prefix_affinity >= -1, "prefix affinity must be >= -1 (-1 = off)")
         _require(1 <= self.default_max_new_tokens <= self.max_new_tokens_cap,
                  "default max new tokens must be in 1..max_new_tokens_cap")
         _require(self.session_ttl_s >= 1, "session TTL must be >= 1 s")

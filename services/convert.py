@@ -145,11 +145,13 @@ def verify_result_from_pb(m: verifier_pb2.VerifyResponse) -> VerifyResult:
                                        for t in m.logprobs))
 
 
-def meta_to_pb(meta: ModelMeta, kind: str, max_draft_tokens: int) -> common_pb2.ModelInfo:
+def meta_to_pb(meta: ModelMeta, kind: str, max_draft_tokens: int,
+               prefix_block_size: int = 0) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(model=meta.model, fingerprint=meta.fingerprint,
                                 vocab_hash=meta.vocab_hash, vocab_size=meta.vocab_size,
                                 max_context=meta.max_context, eos_token_ids=meta.eos_token_ids,
-                                kind=kind, max_draft_tokens=max_draft_tokens)
+                                kind=kind, max_draft_tokens=max_draft_tokens,
+                                prefix_block_size=prefix_block_size)
 
 
 def stats_to_pb(s: ReplicaStats, caches, queue_depth: int) -> common_pb2.ReplicaStats:

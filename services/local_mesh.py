@@ -242,7 +242,8 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
                 proc_name = f"{name}-{i}"
                 proc = _spawn(proc_name, _cli(command, "--host", spec.host, "--port", str(port),
                                               "--model", model, "--metrics-port",
-                                              str(metrics[proc_name]), *tls_args, *extra),
+                                              str(metrics[proc_name]), "--redis",
+                                              mesh.redis_url, *tls_args, *extra),
                               log_dir, dict(spec.env), started=procs)
                 proc.address = f"{spec.host}:{port}"
                 proc.health_address = _health_address(spec, tls_args)

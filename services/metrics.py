@@ -20,6 +20,15 @@ def _gauge(meter: metrics.Meter, name: str, unit: str, description: str,
     meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
 
 
+def _counter(meter: metrics.Meter, name: str, unit: str, description: str,
+             read: Callable[[], int]) -> None:
+    def callback(_: CallbackOptions):
+        yield Observation(read())
+
+    meter.create_observable_counter(name, callbacks=[callback], unit=unit,
+                                    description=description)
+
+
 class GatewayMetrics:
     def __init__(self, meter: metrics.Meter, active_sessions: Callable[[], int]) -> None:
         self.tokens = meter.create_counter(
@@ -87,7 +96,8 @@ class ModelServiceMetrics:
 
     def __init__(self, meter: metrics.Meter, kind: str, queue_depth: Callable[[], int],
                  sessions: Callable[[], int], kv_bytes: Callable[[], int],
-                 kv_capacity_bytes: Callable[[], int]) -> None:
+                 kv_capacity_bytes: Callable[[], int], prefix=None) -> None:
+        """``prefix``: the replica's PrefixCache (None: off, no prefix metrics)."""
         self.calls = meter.create_counter(f"specmesh.{kind}.calls", unit="{call}",
                                           description=f"{kind} calls answered, by outcome")
         self.draft_tokens = meter.create_counter(
@@ -115,3 +125,15 @@ class ModelServiceMetrics:
         _gauge(meter, "specmesh.kv_cache.used", "By", "KV cache bytes held", kv_bytes)
         _gauge(meter, "specmesh.kv_cache.capacity", "By",
                "KV cache bytes at --max-sessions full-context sessions", kv_capacity_bytes)
+        if prefix is not None:
+            _counter(meter, f"specmesh.{kind}.prefix.lookup_tokens", "{token}",
+                     "Prompt tokens of fresh sessions looked up in the prefix cache",
+                     lambda: prefix.stats.lookup_tokens)
+            _counter(meter, f"specmesh.{kind}.prefix.hit_tokens", "{token}",
+                     "Prompt tokens restored from the prefix cache instead of computed",
+                     lambda: prefix.stats.hit_tokens)
+            _counter(meter, f"specmesh.{kind}.prefix.evicted_blocks", "{block}",
+                     "Prefix-cache blocks evicted, least recently used first",
+                     lambda: prefix.stats.evicted_blocks)
+            _gauge(meter, f"specmesh.{kind}.prefix.blocks", "{block}",
+                   "Blocks the prefix cache holds now", lambda: len(prefix))

@@ -209,10 +209,13 @@ class ModelEngine:
 
     kind = "model"
 
-    def __init__(self, runner: ModelRunner, caches, max_draft_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, caches, max_draft_tokens: int,
+                 prefill_chunk: int = 0) -> None:
+        """``prefill_chunk``: tokens of a long prompt fed per forward pass (0: all in one)."""
         self.runner = runner
         self.caches = caches
         self.max_draft_tokens = max_draft_tokens
+        self.prefill_chunk = prefill_chunk
         self.stats = runner.stats
 
     @property

@@ -20,6 +20,7 @@ from services.metrics import ModelServiceMetrics
 from services.model_runner import ModelRunner
 from services.models import kv_bytes_per_token, load_for_serving
 from services.prefix_cache import PrefixCache
+from services.prefix_index import IndexPublisher
 from services.registry import Registration
 from services.server import serve
 from services.telemetry import Telemetry
@@ -52,7 +53,7 @@ def build_metrics(telemetry: Telemetry, kind: str, engine,
         telemetry.meter, kind, queue_depth=lambda: engine.queue_depth,
         sessions=lambda: len(engine.caches),
         kv_bytes=lambda: per_token * engine.caches.total_tokens(),
-        kv_capacity_bytes=lambda: capacity)
+        kv_capacity_bytes=lambda: capacity, prefix=engine.caches.prefix)
 
 
 class ModelServiceRpcs:
@@ -97,7 +98,9 @@ class ModelServiceRpcs:
 
     @grpc_errors
     async def GetModelInfo(self, request, context):
-        return meta_to_pb(self.engine.meta, self.engine.kind, self.engine.max_draft_tokens)
+        prefix = self.engine.caches.prefix
+        return meta_to_pb(self.engine.meta, self.engine.kind, self.engine.max_draft_tokens,
+                          prefix.block if prefix is not None else 0)
 
     @grpc_errors
     async def GetStats(self, request, context):
@@ -118,10 +121,10 @@ def replica_load(engine, config: ModelServiceConfig) -> dict:
 def run_service(config: ModelServiceConfig, telemetry: Telemetry, engine,
                 register: Callable, service_name: str, role: str,
                 drain: Drain | None = None) -> None:
-    registration = None
+    registration = publisher = None
 
     def on_started(port: int) -> None:
-        nonlocal registration
+        nonlocal registration, publisher
         if config.redis_url:
             host = config.server.host
             address = config.advertise or (
@@ -130,10 +133,15 @@ def run_service(config: ModelServiceConfig, telemetry: Telemetry, engine,
             registration = Registration(client, role, address,
                                         lambda: replica_load(engine, config))
             registration.start()
+            if engine.caches.prefix is not None:
+                publisher = IndexPublisher(client, role, address, engine.caches.prefix)
+                publisher.start()
 
     async def on_stop() -> None:
         if registration is not None:
             await registration.stop()
+        if publisher is not None:
+            await publisher.stop()
         engine.close()
         telemetry.shutdown()
 

@@ -201,6 +201,23 @@ def stream_one_client(address: str, prompt: str, mode: Mode, opts: BenchOptions)
         return stream_one(client, 0, prompt, mode, opts)
 
 
+def _shared_prefix(prompts: list[dict], target: str, tokens: int) -> tuple[list[dict], int]:
+    """``prompts`` behind a shared context of about ``tokens`` tokens of ``target``'s
+    tokenizer (specmesh.bench_prompts.with_shared_prefix)."""
+    from transformers import AutoTokenizer
+
+    from specmesh.bench_prompts import load_prompts, with_shared_prefix
+
+    if not target:
+        raise typer.BadParameter("--shared-prefix needs the target's tokenizer: give --target "
+                                 "(or --verifiers, whose model it reads)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"--shared-prefix: no tokenizer at {target!r}: {exc}") from exc
+    return with_shared_prefix(prompts, tokenizer, tokens, source=load_prompts())
+
+
 def _split(csv: str) -> list[str]:
     return [x.strip() for x in csv.split(",") if x.strip()]
 
@@ -247,6 +264,11 @@ def bench(
     seed: Annotated[int, typer.Option(help="Sampling seed sent with every request (greedy "
                                            "output does not depend on it).")] = 0,
     timeout: Annotated[float, typer.Option(help="Deadline of one request, seconds.")] = 600.0,
+    shared_prefix: Annotated[int, typer.Option(
+        min=0, help="The shared-prefix workload: every prompt preceded by the same context of "
+                    "about N tokens (a long system prompt or document before a short "
+                    "question), so prefix caches are put to the test; 0 = the prompts alone. "
+                    "Prompt + --max-new-tokens must fit the target's context.")] = 0,
     peer: Annotated[list[str] | None, typer.Option(
         help="NAME=URL of an OpenAI-compatible server (vLLM, llama.cpp's llama-server, ...) "
              "to run the same prompts against at every concurrency level, in the same run; "
@@ -322,6 +344,9 @@ def bench(
                 names[role] = model_info(addresses[0], kind).model if addresses else names[role]
             except Exception:
                 pass
+        prefix_tokens = 0
+        if shared_prefix:
+            chosen, prefix_tokens = _shared_prefix(chosen, names["target"], shared_prefix)
         with Progress("[progress.description]{task.description}", BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), console=err,
                       transient=False) as bar:
@@ -334,7 +359,7 @@ def bench(
         "settings": {"concurrency": levels, "k": k, "max_new_tokens": max_new_tokens,
                      "modes": keys, "threads": threads,
                      "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
-                     "seed": seed,
+                     "seed": seed, "shared_prefix_tokens": prefix_tokens,
                      "address": address,
                      "peers": [{"name": p.name, "url": p.url, "model": m} for p, m in peers],
                      "prompts": [{x: p[x] for x in ("id", "kind", "source")} for p in chosen]},

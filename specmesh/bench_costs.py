@@ -25,7 +25,8 @@ import urllib.request
 from gateway.adaptive import expected_tokens
 
 STAT_FIELDS = ("calls", "fresh_prefills", "fed_tokens", "draft_tokens", "accepted_tokens",
-               "forward_ms", "forward_passes", "batched_calls")
+               "forward_ms", "forward_passes", "batched_calls", "prefix_lookup_tokens",
+               "prefix_hit_tokens")
 GATEWAY_SERIES = {  # our key: (Prometheus sample name, required labels)
     "round_s": ("specmesh_round_duration_seconds_sum", {}),
     "round_count": ("specmesh_round_duration_seconds_count", {}),

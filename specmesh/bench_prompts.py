@@ -107,6 +107,28 @@ def load_prompts(path: Path = PROMPTS_PATH, limit: int | None = None) -> list[di
     return mixed
 
 
+def with_shared_prefix(prompts: list[dict], tokenizer, tokens: int,
+                       source: list[dict] | None = None) -> tuple[list[dict], int]:
+    """The shared-prefix workload (``specmesh bench --shared-prefix N``): every prompt
+    preceded by the same context of about ``tokens`` tokens, as chat traffic repeats a long
+    system prompt or document before each short question. The context is the texts of the
+    whole shipped set (``source``, default ``prompts``), in order and repeated as needed, cut
+    at the last line break within ``tokens`` tokens of ``tokenizer``. Returns (the prompts,
+    the context's length in tokens)."""
+    texts = [p["prompt"].rstrip() + "\n\n" for p in (source or prompts)]
+    def count(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    context, i = "", 0
+    while len(count(context)) < tokens:
+        context += texts[i % len(texts)]
+        i += 1
+    context = tokenizer.decode(count(context)[:tokens], skip_special_tokens=True)
+    context = context[:context.rfind("\n") + 1] or context
+    shared = [{**p, "id": f"{p['id']}+prefix", "prompt": context + p["prompt"]} for p in prompts]
+    return shared, len(count(context))
+
+
 def main(out: Annotated[Path, typer.Option(
         help="Where to write the set (default: the shipped bench_prompts.json).")] = PROMPTS_PATH,
          ) -> None:

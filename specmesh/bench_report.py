@@ -16,6 +16,11 @@ HF_NOTE = ("HF rows run at concurrency 1 only (assisted generation supports batc
            "prompt after another, in the bench process, while the mesh is idle.")
 
 
+def _prefix_note(settings: dict) -> str:
+    n = settings.get("shared_prefix_tokens", 0)
+    return f" behind one shared {n}-token context (--shared-prefix)" if n else ""
+
+
 def per_token_alpha(records: list[dict], k: int, max_new_tokens: int) -> float | None:
     """The per-token acceptance rate α of Leviathan et al. from the rounds of fixed-k
     requests: a round drafting k' = min(k, tokens left − 1) that yields n tokens accepted
@@ -136,7 +141,8 @@ ROW_COLUMNS = (("mode", None), ("concurrency", "d"), ("tokens/s", ".1f"),
                ("per-request tokens/s", ".1f"), ("speedup", ".2f"), ("vs target-only", ".2f"),
                ("tokens/round", ".2f"), ("acceptance", ".3f"), ("α", ".3f"),
                ("TTFT p50 (ms)", ".1f"), ("cache hit", ".0f"), ("fan-out", ".2f"),
-               ("gateway ms/round", ".3f"), ("outputs match", None), ("errors", "d"))
+               ("gateway ms/round", ".3f"), ("prefix hit", ".0f"), ("outputs match", None),
+               ("errors", "d"))
 
 
 def row_cells(r: dict) -> list[str]:
@@ -146,7 +152,16 @@ def row_cells(r: dict) -> list[str]:
             fmt(r["acceptance"], ".3f"), fmt(r.get("alpha"), ".3f"),
             fmt(r["ttft_p50_ms"], ".1f"), fmt(_pct(r.get("cache_hit")), ".0f", "%"),
             fmt(r.get("fanout")), fmt(r.get("gateway_ms_per_round"), ".3f"),
-            fmt(r["outputs_match"]), str(r["errors"])]
+            fmt(_pct(prefix_hit(r)), ".0f", "%"), fmt(r["outputs_match"]), str(r["errors"])]
+
+
+def prefix_hit(row: dict) -> float | None:
+    """The verifiers' prefix hit rate in a cell: prompt tokens restored from their prefix
+    caches over prompt tokens looked up (None: no lookups, or not a mesh row)."""
+    v = (row.get("services") or {}).get("verifier")
+    if not v or not v.get("prefix_lookup_tokens"):
+        return None
+    return v["prefix_hit_tokens"] / v["prefix_lookup_tokens"]
 
 
 COST_COLUMNS = ("mode", "α", "k", "c", "c_v", "E(α,k)", "tokens/round", "bound",
@@ -191,8 +206,8 @@ def markdown(report: dict) -> str:
              f"({fmt(report['models']['target']['params'], ',')} params), draft "
              f"{report['models']['draft']['name']} "
              f"({fmt(report['models']['draft']['params'], ',')} params); {len(s['prompts'])} "
-             f"prompts, greedy, max_new_tokens {s['max_new_tokens']}, k {s['k']}, torch threads "
-             f"{s['threads']} per mesh process, {s['hf_threads']} in process (HF rows); "
+             f"prompts{_prefix_note(s)}, greedy, max_new_tokens {s['max_new_tokens']}, "
+             f"k {s['k']}, torch threads {s['threads']} per mesh process, {s['hf_threads']} in process (HF rows); "
              f"{m['cpu']} ({m['cores']} cores), torch {m['torch']}.", "",
              *baseline_lines(report), "",
              *_md_table([c for c, _ in ROW_COLUMNS], [row_cells(r) for r in report["rows"]]),

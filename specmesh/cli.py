@@ -100,6 +100,10 @@ PrefixCacheMb = Annotated[int, typer.Option(
 PrefixBlock = Annotated[int, typer.Option("--prefix-block", envvar="SPECMESH_PREFIX_BLOCK",
                                           help="Tokens per prefix-cache block: a prompt reuses "
                                                "its cached prefix in whole blocks.")]
+PrefillChunk = Annotated[int, typer.Option(
+    "--prefill-chunk", envvar="SPECMESH_PREFILL_CHUNK", min=0,
+    help="A longer prompt is computed this many tokens per forward pass (chunked prefill), "
+         "so other sessions' calls run between its chunks; 0 = in one pass.")]
 Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                       help="auto: Llama-architecture models run a lean forward "
                                            "(less Python per call; on a CPU with weights "
@@ -112,7 +116,7 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                    max_queue, telemetry, drafter_kind: str = "model", redis: str = "",
                    advertise: str = "", kv_budget_mb: int = 0, max_batch: int = 16,
                    forward: str = "auto", prefix_cache_mb: int = 256,
-                   prefix_block: int = 16) -> None:
+                   prefix_block: int = 16, prefill_chunk: int = 256) -> None:
     from services.config import ModelServiceConfig
 
     model = model_reference(model, "--model")
@@ -124,7 +128,7 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                                     kind=drafter_kind, redis_url=redis,
                                     advertise=advertise, kv_budget_mb=kv_budget_mb,
                                     forward=forward, prefix_cache_mb=prefix_cache_mb,
-                                    prefix_block=prefix_block)
+                                    prefix_block=prefix_block, prefill_chunk=prefill_chunk)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if kind == "drafter":
@@ -148,14 +152,16 @@ def drafter(model: Model,
             log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "",
             kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "", tls_key: TlsKey = "",
             tls_ca: TlsCa = "", health_port: HealthPort = 0, forward: Forward = "auto",
-            prefix_cache_mb: PrefixCacheMb = 256, prefix_block: PrefixBlock = 16) -> None:
+            prefix_cache_mb: PrefixCacheMb = 256, prefix_block: PrefixBlock = 16,
+            prefill_chunk: PrefillChunk = 256) -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
     _model_service("drafter", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("drafter", metrics_port, log_format, log_level), kind, redis,
-                   advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block)
+                   advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
+                   prefill_chunk)
 
 
 @app.command()
@@ -168,13 +174,14 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              advertise: Advertise = "", kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "",
              tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0,
              forward: Forward = "auto", prefix_cache_mb: PrefixCacheMb = 256,
-             prefix_block: PrefixBlock = 16) -> None:
+             prefix_block: PrefixBlock = 16, prefill_chunk: PrefillChunk = 256) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("verifier", metrics_port, log_format, log_level), "model", redis,
-                   advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block)
+                   advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
+                   prefill_chunk)
 
 
 @app.command()
@@ -234,6 +241,11 @@ def gateway(
              "requests: where drafter and verifier share cores a tree's CPU slows the "
              "verifier under load. Raise it when the drafters have hardware of their "
              "own.")] = 1,
+    prefix_affinity: Annotated[int, typer.Option(
+        envvar="SPECMESH_PREFIX_AFFINITY", min=-1,
+        help="A new session goes to the replica whose prefix cache holds the longest prefix "
+             "of its prompt (the prefix index in Redis) while that replica runs at most this "
+             "many more requests than the least busy one; -1 routes by load alone.")] = 4,
     max_support: Annotated[int, typer.Option(envvar="SPECMESH_MAX_SUPPORT",
                                              help="Largest sparse-q support per position.")] = 32,
     default_max_new_tokens: Annotated[int, typer.Option(
@@ -297,7 +309,7 @@ def gateway(
             max_support=max_support,
             default_drafter_kind=default_drafter_kind, pipeline=pipeline, spec_fanout=spec_fanout,
             step_batching=step_batching, spec_max_requests=spec_max_requests,
-            discovery=discovery,
+            prefix_affinity=prefix_affinity, discovery=discovery,
             namespace=namespace, drafter_service=drafter_service,
             verifier_service=verifier_service, drafter_port=drafter_port,
             verifier_port=verifier_port,

@@ -36,6 +36,16 @@ def redis_url(tmp_path_factory):
     proc.wait(10)
 
 
+@pytest.fixture
+def own_redis(tmp_path):
+    """A Redis of this test's own, for tests that list every key of a kind (the shared one
+    holds the registry and prefix index of every mesh the suite started)."""
+    proc, url = start_redis(tmp_path)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
 def launch(tiny_pair, redis_url, log_dir: Path, **kwargs) -> Mesh:
     target, draft = tiny_pair
     spec = MeshSpec(target=target, draft=draft, port=free_port(), redis_url=redis_url,

@@ -221,3 +221,40 @@ def test_concurrent_verify_rpcs_share_a_pass_and_match_hf(mesh, target_model):
     assert max(a.batch_size for a in answers) > 1, "no two calls ever shared a pass"
     assert after.batched_calls > before
     assert after.forward_passes > 0 and after.forward_ms > 0
+
+
+def test_a_long_prompt_is_fed_in_chunks_and_calls_run_between_them(target_model, tiny_pair):
+    """Chunked prefill: a 100-token prompt with chunks of 16 takes 7 passes (6 chunks, then
+    the last 4 tokens with the drafts) and answers what one pass answers; a short call that
+    arrives meanwhile is answered from a pass between two chunks, before the long one."""
+    vocab = target_model[0].config.vocab_size
+    long_call = VerifyCall(
+        cache=CacheDelta(session_id="long", base_len=0, base_hash=token_hash([]),
+                         new_tokens=tuple(_tokens(5000, 100, vocab))),
+        draft_ids=tuple(_tokens(5001, 3, vocab)), q_ids=(), q_probs=(), params=SamplingParams(),
+        seed=1)
+    short_call = _calls(vocab, SamplingParams(), 1)[0]
+
+    async def run(chunk: int):
+        engine = _engine(target_model, tiny_pair, max_batch=16)
+        engine.prefill_chunk = chunk
+        order = []
+
+        async def verify(name, call):
+            result = await engine.verify(call)
+            order.append(name)
+            return result
+
+        long_task = asyncio.create_task(verify("long", long_call))
+        await asyncio.sleep(0)  # the long call is submitted first
+        short = await verify("short", short_call)
+        return await long_task, short, order, engine.stats.forward_passes
+
+    whole, _, whole_order, whole_passes = asyncio.run(run(0))
+    chunked, short, order, passes = asyncio.run(run(16))
+    assert (chunked.num_accepted, chunked.extra_token, chunked.cached_len) == (
+        whole.num_accepted, whole.extra_token, whole.cached_len)
+    assert chunked.cached_len >= 100
+    assert whole_passes == 1 and whole_order == ["long", "short"]  # one pass held both
+    assert order == ["short", "long"] and passes == 7
+    assert short.batch_size == 2  # it shared a pass with one of the long prompt's chunks

@@ -238,3 +238,43 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
         assert r["label"] in md
     for name in ("tokens_per_s.png", "speedup.png"):
         assert (out / name).read_bytes()[:8] == PNG
+
+
+def test_shared_prefix_prompts_start_with_one_context_of_the_asked_length(tiny_pair):
+    from transformers import AutoTokenizer
+
+    from specmesh.bench_prompts import with_shared_prefix
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    prompts = load_prompts(limit=3)
+    shared, n = with_shared_prefix(prompts, tokenizer, 300, source=load_prompts())
+    context = shared[0]["prompt"][:-len(prompts[0]["prompt"])]
+    assert 250 <= n <= 300 and context.endswith("\n")
+    assert len(tokenizer(context, add_special_tokens=False)["input_ids"]) == n
+    assert [s["prompt"] for s in shared] == [context + p["prompt"] for p in prompts]
+    assert [s["id"] for s in shared] == [p["id"] + "+prefix" for p in prompts]
+    # the prompts' token ids share the context's blocks: what a prefix cache can reuse
+    ids = [tokenizer(s["prompt"])["input_ids"] for s in shared]
+    common = min(next((i for i, (a, b) in enumerate(zip(ids[0], x, strict=False)) if a != b), len(x))
+                 for x in ids[1:])
+    assert common >= n - 2
+
+
+def test_bench_shared_prefix_reuses_the_verifiers_prefix_cache(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(app, ["bench", "--target", target, "--drafter", draft,
+                                      "--concurrency", "1", "--prompts", "2", "--modes",
+                                      "target,default", "--no-hf", "--shared-prefix", "200",
+                                      "--max-new-tokens", "8", "--out", str(out)])
+    report = json.loads((out / "bench.json").read_text())
+    assert result.exit_code == 0, result.output
+    assert 150 <= report["settings"]["shared_prefix_tokens"] <= 200
+    for row in report["rows"]:
+        assert row["outputs_match"] is True and row["errors"] == 0
+        v = row["services"]["verifier"]
+        # the warm-up request computed the context: every measured prompt reuses most of it
+        assert v["prefix_hit_tokens"] >= 0.8 * v["prefix_lookup_tokens"] > 0
+    md = (out / "bench.md").read_text()
+    shared = report["settings"]["shared_prefix_tokens"]
+    assert f"behind one shared {shared}-token context" in md and "| prefix hit |" in md

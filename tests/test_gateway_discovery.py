@@ -121,7 +121,7 @@ def test_gateway_follows_scale_up_readiness_and_scale_down(k8s_mesh, target_mode
     assert _calls(a) == a_before
 
 
-def test_gateway_follows_the_redis_registry(tiny_pair, redis_url, tmp_path, target_model):
+def test_gateway_follows_the_redis_registry(tiny_pair, own_redis, tmp_path, target_model):
     """Replicas started with --redis register with a heartbeat; a gateway with --discovery
     redis finds them, drops one that died (its key expires) and picks up a new one."""
     target, draft = tiny_pair
@@ -139,7 +139,7 @@ def test_gateway_follows_the_redis_registry(tiny_pair, redis_url, tmp_path, targ
     def model_service(name, kind, model_path):
         port = free_port()
         proc = _spawn(name, _cli(kind, "--host", "127.0.0.1", "--port", str(port), "--model",
-                                 model_path, "--redis", redis_url), tmp_path)
+                                 model_path, "--redis", own_redis), tmp_path)
         proc.address = f"127.0.0.1:{port}"
         procs[name] = proc
         return proc
@@ -148,7 +148,7 @@ def test_gateway_follows_the_redis_registry(tiny_pair, redis_url, tmp_path, targ
         for proc in (model_service("verifier-a", "verifier", target),
                      model_service("drafter", "drafter", draft)):
             _wait(proc, 120)
-        gateway = start("gateway", "gateway", "--redis", redis_url, "--model", target,
+        gateway = start("gateway", "gateway", "--redis", own_redis, "--model", target,
                         "--discovery", "redis")
         _wait(gateway, 120)
 

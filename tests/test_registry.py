@@ -11,9 +11,9 @@ import redis.asyncio as aioredis
 from services.registry import Registration, list_replicas
 
 
-def test_registration_lifecycle(redis_url):
+def test_registration_lifecycle(own_redis):
     async def scenario():
-        client = aioredis.Redis.from_url(redis_url)
+        client = aioredis.Redis.from_url(own_redis)
         load = {"kind": "model", "sessions": 3, "queue_depth": 1, "kv_free_bytes": 10}
         alive = Registration(client, "verifier", "10.0.0.1:50071", lambda: load, ttl_s=0.6)
         crashed = Registration(client, "verifier", "10.0.0.2:50071", lambda: load, ttl_s=0.6)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.batching import Row, StepJob
+from services.batching import FeedJob, Row
 from services.errors import InvalidArgument
 from services.kv_cache import SessionCache
 from services.messages import (
@@ -81,9 +81,10 @@ class VerifierEngine(ModelEngine):
         with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
                                   delta.new_tokens) as entry:
             skip = len(entry.tokens) - delta.base_len  # restored from the prefix cache
-            job = _VerifyJob(entry, list(delta.new_tokens[skip:]), call, draft, generator)
+            fed = list(delta.new_tokens[skip:])
+            job = _VerifyJob(entry, fed, self.prefill_chunk, call, draft, generator)
             (accepted, extra), ms, batch = await self.runner.submit(job)
-            self.stats.fed_tokens += len(job.pending)
+            self.stats.fed_tokens += len(fed)
             self.stats.draft_tokens += k
             self.stats.accepted_tokens += accepted
             return VerifyResult(num_accepted=accepted, extra_token=extra,
@@ -91,13 +92,14 @@ class VerifierEngine(ModelEngine):
                                 compute_ms=ms, batch_size=batch, logprobs=job.logprobs)
 
 
-class _VerifyJob(StepJob):
-    """One pass: the pending tokens and the k drafts, then the acceptance rule on the
-    last k+1 logits (params and draft were validated before, off the model thread)."""
+class _VerifyJob(FeedJob):
+    """One pass (after the chunks of a long prompt): the pending tokens and the k drafts,
+    then the acceptance rule on the last k+1 logits (params and draft were validated before,
+    off the model thread)."""
 
-    def __init__(self, entry: SessionCache, pending: list[int], call: VerifyCall,
+    def __init__(self, entry: SessionCache, pending: list[int], chunk: int, call: VerifyCall,
                  draft: SparseDraft, generator: torch.Generator) -> None:
-        self.entry, self.start, self.pending = entry, len(entry.tokens), pending
+        super().__init__(entry, pending, chunk)
         self.call, self.draft, self.generator = call, draft, generator
         self._result: tuple[int, int] | None = None
         self.logprobs: tuple[TokenLogprobs, ...] = ()
@@ -106,13 +108,14 @@ class _VerifyJob(StepJob):
     def done(self) -> bool:
         return self._result is not None
 
-    def next_row(self) -> Row:
+    def row(self) -> Row:
         k = len(self.call.draft_ids)
         return Row(tokens=self.pending + list(self.call.draft_ids), kv=self.entry.kv,
-                   start=self.start, keep=k + 1)
+                   start=len(self.entry.tokens), keep=k + 1)
 
-    def take(self, logits: torch.Tensor) -> None:  # logits [k+1, V]
+    def use(self, logits: torch.Tensor) -> None:  # logits [k+1, V]
         entry, params = self.entry, self.call.params
+        start = len(entry.tokens)
         entry.tokens.extend(self.pending)
         entry.tokens.extend(self.call.draft_ids)
         if params.greedy:
@@ -120,7 +123,7 @@ class _VerifyJob(StepJob):
         else:
             accepted, extra = accept_sampled(self.draft, warp_logits(logits, params),
                                              self.generator)
-        entry.crop(self.start + len(self.pending) + accepted)
+        entry.crop(start + len(self.pending) + accepted)
         self._result = (accepted, extra)
         if self.call.logprobs >= 0:
             self.logprobs = _logprobs(logits[: accepted + 1],

@@ -54,7 +54,7 @@ def _reply(call_id, result, error) -> verifier_pb2.VerifyStreamResponse:
 def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
     telemetry = setup(telemetry_config)
     runner, caches = build_parts(config)
-    engine = VerifierEngine(runner, caches, config.max_draft_tokens)
+    engine = VerifierEngine(runner, caches, config.max_draft_tokens, config.prefill_chunk)
     drain = Drain()
     servicer = VerifierServicer(engine, build_metrics(telemetry, "verifier", engine, config),
                                 drain)

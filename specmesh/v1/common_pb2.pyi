@@ -43,7 +43,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "fingerprint", "vocab_hash", "vocab_size", "max_context", "eos_token_ids", "kind", "max_draft_tokens")
+    __slots__ = ("model", "fingerprint", "vocab_hash", "vocab_size", "max_context", "eos_token_ids", "kind", "max_draft_tokens", "prefix_block_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     fingerprint: str
     vocab_hash: str
@@ -60,7 +61,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kind: str
     max_draft_tokens: int
-    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kind: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    prefix_block_size: int
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kind: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., prefix_block_size: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
