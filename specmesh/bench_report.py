@@ -207,7 +207,8 @@ def markdown(report: dict) -> str:
              f"{report['models']['draft']['name']} "
              f"({fmt(report['models']['draft']['params'], ',')} params); {len(s['prompts'])} "
              f"prompts{_prefix_note(s)}, greedy, max_new_tokens {s['max_new_tokens']}, "
-             f"k {s['k']}, torch threads {s['threads']} per mesh process, {s['hf_threads']} in process (HF rows); "
+             f"k {s['k']}, torch threads {s['threads']} per mesh process, {s['hf_threads']} "
+             f"in process (HF rows); "
              f"{m['cpu']} ({m['cores']} cores), torch {m['torch']}.", "",
              *baseline_lines(report), "",
              *_md_table([c for c, _ in ROW_COLUMNS], [row_cells(r) for r in report["rows"]]),
