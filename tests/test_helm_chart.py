@@ -394,6 +394,28 @@ def test_redis_bundled_or_external():
         "url"]
 
 
+def test_replicas_publish_their_prefix_index_under_the_address_gateways_dial():
+    """Drafters and verifiers get the gateway's Redis (to register and publish the blocks
+    their prefix caches hold) and advertise their pod IP and port: the address an
+    EndpointSlice gives the gateway, hence the name of their index set."""
+    docs = rendered("default")
+    deployments = by_component(docs, "Deployment")
+    gateway = {e["name"]: e for e in containers(deployments["gateway"])[0]["env"]}
+    assert gateway["SPECMESH_PREFIX_AFFINITY"]["value"] == "4"
+    for tier in ("drafter", "verifier"):
+        env = {e["name"]: e for e in containers(deployments[tier])[0]["env"]}
+        names = list(env)
+        assert env["SPECMESH_REDIS_URL"] == gateway["SPECMESH_REDIS_URL"]
+        assert env["REDIS_PASSWORD"] == gateway["REDIS_PASSWORD"]
+        assert names.index("REDIS_PASSWORD") < names.index("SPECMESH_REDIS_URL")
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert names.index("POD_IP") < names.index("SPECMESH_ADVERTISE")
+        port = by_component(docs, "Service")[tier]["spec"]["ports"][0]["port"]
+        assert env["SPECMESH_ADVERTISE"]["value"] == f"$(POD_IP):{port}"
+        assert (env["SPECMESH_PREFIX_CACHE_MB"]["value"], env["SPECMESH_PREFIX_BLOCK"]["value"],
+                env["SPECMESH_PREFILL_CHUNK"]["value"]) == ("256", "16", "256")
+
+
 def test_otel_env_and_service_monitor():
     docs = rendered("pvc-models-otel")
     for d in by_component(docs, "Deployment").values():

@@ -110,7 +110,6 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: "json"
 - name: SPECMESH_METRICS_PORT
   value: {{ $root.Values.serviceMonitor.port | quote }}
-{{- if eq .tier "gateway" }}
 {{- $secret := include "specmesh.redis.secretName" $root }}
 {{- if $secret }}
 - name: REDIS_PASSWORD
@@ -125,6 +124,7 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
 {{- else }}
   value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "specmesh.serviceHost" (dict "root" $root "component" "redis")) (int $root.Values.redis.service.port) | quote }}
 {{- end }}
+{{- if eq .tier "gateway" }}
 - name: SPECMESH_VERIFIERS
   value: {{ printf "%s:%d" (include "specmesh.serviceHost" (dict "root" $root "component" "verifier")) (int $root.Values.verifier.service.port) | quote }}
 - name: SPECMESH_DRAFTERS
@@ -157,6 +157,8 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.specMaxRequests | quote }}
 - name: SPECMESH_STEP_BATCHING
   value: {{ $c.stepBatching | quote }}
+- name: SPECMESH_PREFIX_AFFINITY
+  value: {{ $c.prefixAffinity | quote }}
 - name: SPECMESH_MAX_SUPPORT
   value: {{ $c.maxSupport | quote }}
 - name: SPECMESH_DEFAULT_MAX_NEW_TOKENS
@@ -188,6 +190,20 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.maxBatch | quote }}
 - name: SPECMESH_THREADS
   value: {{ $c.threads | quote }}
+- name: SPECMESH_PREFIX_CACHE_MB
+  value: {{ $c.prefixCacheMb | quote }}
+- name: SPECMESH_PREFIX_BLOCK
+  value: {{ $c.prefixBlock | quote }}
+- name: SPECMESH_PREFILL_CHUNK
+  value: {{ $c.prefillChunk | quote }}
+{{- /* the address gateways dial (an EndpointSlice's pod IP), under which the pod registers
+       and publishes its prefix index in Redis */}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: SPECMESH_ADVERTISE
+  value: {{ printf "$(POD_IP):%d" (int $v.service.port) | quote }}
 {{- end }}
 {{- if $root.Values.security.tls.secretName }}
 - name: SPECMESH_TLS_CERT
