@@ -17,7 +17,6 @@ guess only costs a longer prefill, since the replica itself looks each block up.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -25,11 +24,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.hashing import block_hashes
+from services.registry import every
 
 if TYPE_CHECKING:  # the gateway imports this module and must not need torch
     from services.prefix_cache import PrefixCache
-
-log = logging.getLogger(__name__)
 
 PREFIX = "specmesh:prefix:"
 
@@ -76,15 +74,8 @@ class IndexPublisher:
         self._whole = False
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.flush()
-            except RedisError as exc:  # keep serving; routing just sees less
-                log.warning("prefix index write failed: %s", exc)
-            await asyncio.sleep(self._period_s)
+        self._task = asyncio.get_running_loop().create_task(
+            every(self._period_s, self.flush, "prefix index write"))
 
     async def stop(self) -> None:
         if self._task is not None:

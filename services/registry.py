@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -19,6 +19,17 @@ from redis.exceptions import RedisError
 log = logging.getLogger(__name__)
 
 PREFIX = "specmesh:replica:"
+
+
+async def every(period_s: float, action: Callable[[], Awaitable[None]], what: str) -> None:
+    """Runs ``action`` every ``period_s`` seconds until cancelled; a Redis error is logged as
+    ``what`` failing and the replica keeps serving (the next run retries)."""
+    while True:
+        try:
+            await action()
+        except RedisError as exc:
+            log.warning("%s failed: %s", what, exc)
+        await asyncio.sleep(period_s)
 
 
 def replica_key(kind: str, address: str) -> str:
@@ -40,15 +51,8 @@ class Registration:
         await self._r.set(self.key, json.dumps(self._load()), px=self._ttl_ms)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.beat()
-            except RedisError as exc:  # keep serving; retry at the next beat
-                log.warning("registry heartbeat failed: %s", exc)
-            await asyncio.sleep(self._ttl_ms / 3000)
+        self._task = asyncio.get_running_loop().create_task(
+            every(self._ttl_ms / 3000, self.beat, "registry heartbeat"))
 
     async def stop(self) -> None:
         if self._task is not None:
