@@ -60,7 +60,7 @@ class DrafterEngine(ModelEngine):
                                   delta.new_tokens) as entry:
             skip = len(entry.tokens) - delta.base_len  # restored from the prefix cache
             fed = list(delta.new_tokens[skip:])
-            job = _DraftJob(entry, list(fed), self.prefill_chunk, call, generator)
+            job = _DraftJob(entry, fed, self.prefill_chunk, call, generator)
             drafts, ms, batch = await self.runner.submit(job)
             self.stats.fed_tokens += len(fed)
             self.stats.draft_tokens += len(drafts)

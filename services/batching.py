@@ -143,7 +143,7 @@ class FeedJob(StepJob):
     job's own first row (``row``/``use``). chunk 0: all at once."""
 
     def __init__(self, entry, pending: list[int], chunk: int) -> None:
-        self.entry, self.pending, self.chunk = entry, pending, chunk
+        self.entry, self.pending, self.chunk = entry, list(pending), chunk  # its own: it shrinks
         self._feeding = False
 
     def next_row(self) -> Row:

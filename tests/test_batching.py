@@ -248,10 +248,12 @@ def test_a_long_prompt_is_fed_in_chunks_and_calls_run_between_them(target_model,
         long_task = asyncio.create_task(verify("long", long_call))
         await asyncio.sleep(0)  # the long call is submitted first
         short = await verify("short", short_call)
-        return await long_task, short, order, engine.stats.forward_passes
+        return await long_task, short, order, engine.stats.forward_passes, engine.stats.fed_tokens
 
-    whole, _, whole_order, whole_passes = asyncio.run(run(0))
-    chunked, short, order, passes = asyncio.run(run(16))
+    whole, _, whole_order, whole_passes, whole_fed = asyncio.run(run(0))
+    chunked, short, order, passes, fed = asyncio.run(run(16))
+    # every prompt token counts as fed, however many passes it took
+    assert fed == whole_fed == 100 + len(short_call.cache.new_tokens)
     assert (chunked.num_accepted, chunked.extra_token, chunked.cached_len) == (
         whole.num_accepted, whole.extra_token, whole.cached_len)
     assert chunked.cached_len >= 100
