@@ -58,8 +58,7 @@ class DrafterEngine(ModelEngine):
 
         with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
                                   delta.new_tokens) as entry:
-            skip = len(entry.tokens) - delta.base_len  # restored from the prefix cache
-            fed = list(delta.new_tokens[skip:])
+            fed = entry.unfed(delta.base_len, delta.new_tokens)
             job = _DraftJob(entry, fed, self.prefill_chunk, call, generator)
             drafts, ms, batch = await self.runner.submit(job)
             self.stats.fed_tokens += len(fed)
@@ -82,7 +81,7 @@ class DrafterEngine(ModelEngine):
         committed = len(delta.new_tokens) - call.num_drafts  # the rest are this round's drafts
         with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
                                   delta.new_tokens, committed) as entry:
-            fed = list(delta.new_tokens[len(entry.tokens) - delta.base_len:])
+            fed = entry.unfed(delta.base_len, delta.new_tokens)
             job = SoloJob(lambda model, device: draft_tree(model, entry, fed, call, device),
                           passes=1 + call.num_tokens)
             (branches, _), ms, batch = await self.runner.submit(job)

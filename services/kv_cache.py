@@ -33,6 +33,12 @@ class SessionCache:
     published: int = 0  # leading tokens whose blocks are in the prefix cache
     chain: int = 0  # the hash of the last of those blocks (0: none)
 
+    def unfed(self, base_len: int, new_tokens: Sequence[int]) -> list[int]:
+        """What a call that sent ``new_tokens`` after ``base_len`` still has to feed after its
+        checkout: all of them, less the prefix a fresh session restored from the prefix
+        cache."""
+        return list(new_tokens[len(self.tokens) - base_len:])
+
     def crop(self, length: int) -> None:
         """Keeps the first ``length`` positions (cache.crop(-n) drops the last n)."""
         drop = len(self.tokens) - length
@@ -76,7 +82,7 @@ class SessionCaches:
         base_len == 0 starts the session afresh: with a prefix cache, from the longest
         cached prefix of ``new_tokens`` (the call's tokens after the base, of which the
         first ``committed`` are committed; default all), leaving at least the last committed
-        one to compute. The body then feeds ``new_tokens[len(entry.tokens) - base_len:]``.
+        one to compute. The body then feeds ``entry.unfed(base_len, new_tokens)``.
         Raises ResyncRequired when the cache does not hold the named prefix, Busy when
         another call is using the session. If the body raises, the session's cache is
         dropped (it may be half-written), so the next call resyncs. When it returns, the

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from services.hashing import block_hash, block_hashes
+from services.hashing import block_hash
 
 
 @dataclass
@@ -41,7 +41,6 @@ class PrefixStats:
     hits: int = 0  # of which found at least one block
     hit_tokens: int = 0  # prompt tokens not computed thanks to a hit
     lookup_tokens: int = 0  # prompt tokens looked up (the hit rate's denominator)
-    inserted_blocks: int = 0
     evicted_blocks: int = 0
 
 
@@ -89,8 +88,9 @@ class PrefixCache:
             return [], []
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(tokens)
-        hashes, blocks = [], []
-        for h in block_hashes(tokens[:limit], self.block):
+        hashes, blocks, h = [], [], 0
+        for end in range(self.block, limit + 1, self.block):  # no hashing past the first miss
+            h = block_hash(h, tokens[end - self.block:end])
             kv = self._blocks.get(h)
             if kv is None:
                 break
@@ -114,7 +114,6 @@ class PrefixCache:
             self._blocks.move_to_end(h)
         else:
             self._blocks[h] = extract_block(kv, start, start + self.block)
-            self.stats.inserted_blocks += 1
             self._added.add(h)
             self._removed.discard(h)
         if parent in self._blocks:  # keep the parent more recent than its child

@@ -16,7 +16,6 @@ guess only costs a longer prefill, since the replica itself looks each block up.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.hashing import block_hashes
-from services.registry import every
+from services.registry import KeptKey
 
 if TYPE_CHECKING:  # the gateway imports this module and must not need torch
     from services.prefix_cache import PrefixCache
@@ -40,21 +39,20 @@ def _member(block_id: int) -> str:
     return f"{block_id:016x}"
 
 
-class IndexPublisher:
+class IndexPublisher(KeptKey):
     """Keeps one replica's set in step with its prefix cache until ``stop()`` (which deletes
     the set)."""
 
+    what = "prefix index write"
+
     def __init__(self, client: aioredis.Redis, role: str, address: str, cache: PrefixCache,
                  period_s: float = 0.25, ttl_s: float = 30.0) -> None:
-        self._r = client
-        self.key = index_key(role, address)
+        super().__init__(client, index_key(role, address), period_s)
         self._cache = cache
-        self._period_s = period_s
         self._ttl_ms = int(ttl_s * 1000)
         self._whole = True  # the next write replaces the set
-        self._task: asyncio.Task | None = None
 
-    async def flush(self) -> None:
+    async def write(self) -> None:
         """One write: the whole set after a start or a failure, else the changes."""
         added, removed = self._cache.drain_changes()
         pipe = self._r.pipeline(transaction=True)
@@ -72,18 +70,6 @@ class IndexPublisher:
             self._whole = True  # what the set holds now is unknown
             raise
         self._whole = False
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(
-            every(self._period_s, self.flush, "prefix index write"))
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        try:
-            await self._r.delete(self.key)
-        except RedisError:
-            pass
 
 
 async def cached_tokens(client: aioredis.Redis, role: str, tokens: Sequence[int],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -21,38 +21,32 @@ log = logging.getLogger(__name__)
 PREFIX = "specmesh:replica:"
 
 
-async def every(period_s: float, action: Callable[[], Awaitable[None]], what: str) -> None:
-    """Runs ``action`` every ``period_s`` seconds until cancelled; a Redis error is logged as
-    ``what`` failing and the replica keeps serving (the next run retries)."""
-    while True:
-        try:
-            await action()
-        except RedisError as exc:
-            log.warning("%s failed: %s", what, exc)
-        await asyncio.sleep(period_s)
+class KeptKey:
+    """A Redis key a replica writes every ``period_s`` seconds (``write``) from ``start()``
+    until ``stop()``, which deletes it. A failed write is logged as ``what`` failing and the
+    replica keeps serving; the next write retries."""
 
+    what = "write"
 
-def replica_key(kind: str, address: str) -> str:
-    return f"{PREFIX}{kind}:{address}"
-
-
-class Registration:
-    """Keeps one replica's key alive until ``stop()`` (which deletes it)."""
-
-    def __init__(self, client: aioredis.Redis, kind: str, address: str,
-                 load: Callable[[], dict], ttl_s: float = 6.0) -> None:
+    def __init__(self, client: aioredis.Redis, key: str, period_s: float) -> None:
         self._r = client
-        self.key = replica_key(kind, address)
-        self._load = load
-        self._ttl_ms = int(ttl_s * 1000)
+        self.key = key
+        self._period_s = period_s
         self._task: asyncio.Task | None = None
 
-    async def beat(self) -> None:
-        await self._r.set(self.key, json.dumps(self._load()), px=self._ttl_ms)
+    async def write(self) -> None:
+        raise NotImplementedError
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(
-            every(self._ttl_ms / 3000, self.beat, "registry heartbeat"))
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.write()
+            except RedisError as exc:
+                log.warning("%s failed: %s", self.what, exc)
+            await asyncio.sleep(self._period_s)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -61,6 +55,25 @@ class Registration:
             await self._r.delete(self.key)
         except RedisError:
             pass
+
+
+def replica_key(kind: str, address: str) -> str:
+    return f"{PREFIX}{kind}:{address}"
+
+
+class Registration(KeptKey):
+    """Keeps one replica's key alive, with its load, until ``stop()`` (which deletes it)."""
+
+    what = "registry heartbeat"
+
+    def __init__(self, client: aioredis.Redis, kind: str, address: str,
+                 load: Callable[[], dict], ttl_s: float = 6.0) -> None:
+        super().__init__(client, replica_key(kind, address), ttl_s / 3)
+        self._load = load
+        self._ttl_ms = int(ttl_s * 1000)
+
+    async def write(self) -> None:
+        await self._r.set(self.key, json.dumps(self._load()), px=self._ttl_ms)
 
 
 async def list_replicas(client: aioredis.Redis, kind: str) -> dict[str, dict]:

@@ -35,21 +35,21 @@ def test_publisher_keeps_the_set_in_step_and_republishes_after_a_failure(own_red
         await client.sadd(key, "ffffffffffffffff")  # left by an earlier run: must go
         pub = IndexPublisher(client, "verifier", "10.0.0.1:1", cache, ttl_s=5)
         a = _publish(cache, [1, 1, 2, 2])
-        await pub.flush()
+        await pub.write()
         assert await client.smembers(key) == _hex(a)
         assert 0 < await client.pttl(key) <= 5000
         b = _publish(cache, [3, 3, 4, 4])  # 4 blocks > 3: a's tail goes
-        await pub.flush()
+        await pub.write()
         assert await client.smembers(key) == _hex([a[0], *b])
         # a write that fails leaves the set unknown: the next one replaces it whole
         broken = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
         pub._r = broken
         c = _publish(cache, [5, 5])
         with pytest.raises(RedisConnectionError):
-            await pub.flush()
+            await pub.write()
         pub._r = client
         await client.sadd(key, "eeeeeeeeeeeeeeee")  # what the lost write cannot account for
-        await pub.flush()
+        await pub.write()
         assert await client.smembers(key) == _hex(cache.held()) and _hex(c) <= _hex(
             cache.held())
         await pub.stop()

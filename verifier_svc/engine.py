@@ -80,8 +80,7 @@ class VerifierEngine(ModelEngine):
 
         with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
                                   delta.new_tokens) as entry:
-            skip = len(entry.tokens) - delta.base_len  # restored from the prefix cache
-            fed = list(delta.new_tokens[skip:])
+            fed = entry.unfed(delta.base_len, delta.new_tokens)
             job = _VerifyJob(entry, fed, self.prefill_chunk, call, draft, generator)
             (accepted, extra), ms, batch = await self.runner.submit(job)
             self.stats.fed_tokens += len(fed)
