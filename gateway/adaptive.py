@@ -72,8 +72,11 @@ class CostModel:
     rtt_ms: float | None = None  # network + RPC overhead of one call
     cycle_ms: dict[int, float] = field(default_factory=dict)  # observed round cycle per k
     weight: float = 0.1
+    max_weight: float = 0.5  # of one cycle seen after many rounds at other k
     # every request's rounds, to seed new requests' α (the engine shares one per drafter kind)
     acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(decay=0.98))
+    _clock: int = 0  # cycles observed, any k
+    _seen: dict[int, int] = field(default_factory=dict)  # k -> _clock when last observed
 
     def observe(self, k: int, draft_ms: float, verify_ms: float, draft_compute_ms: float,
                 verify_compute_ms: float) -> None:
@@ -90,8 +93,15 @@ class CostModel:
             self.verify_ms_per_draft = _ewma(self.verify_ms_per_draft, extra, self.weight)
 
     def observe_cycle(self, k: int, ms: float) -> None:
-        """The wall time from the start of a round that drafted k to the next round's start."""
-        self.cycle_ms[k] = _ewma(self.cycle_ms.get(k), ms, self.weight)
+        """The wall time from the start of a round that drafted k to the next round's start.
+        The average forgets with the rounds that passed, whatever k they drafted: a k seen
+        again after g rounds weighs its new cycle 1 − (1 − weight)^g (at most a half), so
+        the rarely run k of the probes follow a change within a few probes, not dozens."""
+        self._clock += 1
+        gap = self._clock - self._seen.get(k, self._clock - 1)
+        self._seen[k] = self._clock
+        weight = min(self.max_weight, 1.0 - (1.0 - self.weight) ** gap)
+        self.cycle_ms[k] = _ewma(self.cycle_ms.get(k), ms, max(self.weight, weight))
 
     @property
     def known(self) -> bool:
@@ -142,24 +152,41 @@ def load_level(inflight: int) -> int:
     return max(1, inflight).bit_length() - 1
 
 
-def best_k(alpha: float, costs: CostModel, k_max: int) -> int:
-    """The k in 0..k_max with the most expected tokens per millisecond."""
-    return max(range(k_max + 1),
-               key=lambda k: (expected_tokens(alpha, k) / costs.round_ms(k), -k))
+def context_level(tokens: int) -> int:
+    """A session's length in buckets of doubling size: under 256 tokens, 256–511, 512–1023,
+    ... Round costs are learned per bucket too: attention grows with the context (a verify
+    at 900 tokens costs about twice one at 100 on the demo pair), and so does a tree of
+    drafts over it, so costs learned on short prompts misjudge long ones."""
+    return (max(0, tokens) >> 8).bit_length()
+
+
+def best_k(alpha: float, costs: CostModel, k_max: int, only: int = 0) -> int:
+    """The k in 0..k_max with the most expected tokens per millisecond (``only`` > 0: of 0
+    and ``only``); the smaller k on a tie."""
+    candidates = (0, only) if only else range(k_max + 1)
+    return max(candidates, key=lambda k: (expected_tokens(alpha, k) / costs.round_ms(k), -k))
 
 
 @dataclass
 class AdaptiveK:
-    """One request's draft-length controller."""
+    """One request's draft-length controller: any k in 0..k_max, or with ``only`` = K just
+    K or 0 (a fixed k that stops speculating while drafts do not pay for themselves, and
+    probes K again every ``probe_every`` rounds)."""
 
     costs: CostModel
     k_max: int
+    only: int = 0
     prior_alpha: float = 0.6  # before anything was drafted with this kind
     prior_rounds: float = 4.0  # how many rounds' worth the gateway-wide α counts as
     decay: float = 0.9
-    probe_every: int = 8  # while k = 0 wins, draft 1 token every this many rounds; while
-    #                       k > 0 wins, try k ± 1 (alternately) every this many rounds
+    probe_every: int = 8  # while k = 0 wins, draft 1 token (``only``: that k) after this
+    #                       many rounds, then after twice, 4 and 8 times as many while k = 0
+    #                       keeps winning (a probe that does not pay costs a round's worth);
+    #                       while k > 0 wins, try k − 1, k + 1, k − 1 and k = 0 in turn every
+    #                       this many rounds
+    max_backoff: int = 3
     _since_draft: int = 0
+    _backoff: int = 0
     _rounds: int = 0
     _counts: AcceptanceCounts = field(init=False)
 
@@ -179,15 +206,26 @@ class AdaptiveK:
         if self.costs.verify_ms_base is None:
             k = 0  # measure a plain verify first
         elif not self.costs.known:
-            k = self.k_max  # then a full draft
+            k = self.only or self.k_max  # then a full draft
         else:
-            k = best_k(self.alpha, self.costs, self.k_max)
-            if k == 0 and self._since_draft + 1 >= self.probe_every:
-                k = 1  # keep α fresh: acceptance may have changed
-            elif k > 0 and self._rounds % self.probe_every == self.probe_every - 1:
-                # keep the neighbours' measured costs fresh
-                step = 1 if (self._rounds // self.probe_every) % 2 else -1
-                k = min(self.k_max, max(1, k + step))
+            k = best_k(self.alpha, self.costs, self.k_max, self.only)
+            if k == 0:
+                if self._since_draft + 1 >= self.probe_every << self._backoff:
+                    k = self.only or 1  # keep α fresh: acceptance may have changed
+                    self._backoff = min(self.max_backoff, self._backoff + 1)
+            else:
+                self._backoff = 0
+                if self._rounds % self.probe_every == self.probe_every - 1:
+                    # Keep the neighbours' measured costs fresh, and the cost of not
+                    # speculating at all: every k is weighed against it, and a cycle
+                    # measured once (when the context was short, the drafter accurate, the
+                    # machine idle) would otherwise keep speculation on after it stopped
+                    # paying.
+                    probe = (self._rounds // self.probe_every) % 4
+                    if probe == 3:
+                        k = 0
+                    elif not self.only:
+                        k = min(self.k_max, max(0, k + (1 if probe % 2 else -1)))
         self._rounds += 1
         self._since_draft = 0 if k else self._since_draft + 1
         return k

@@ -1,10 +1,13 @@
 """How many tokens a round drafts, and what each round teaches that choice.
 
 The request's k, else the gateway's (``--num-draft-tokens``), else the adaptive choice
-(gateway/adaptive.py) from the measured costs at the current load and the gateway-wide
-acceptance counts of the drafter kind; always capped by the request's remaining budget,
-the context and the replicas' limit. The acceptance counts also weigh the speculation
-cache's branches (gateway/rounds.py).
+(gateway/adaptive.py) from the measured costs at the current load and context length and
+the acceptance counts of the request and of its drafter kind; always capped by the
+request's remaining budget, the context and the replicas' limit. The gateway's fixed k
+falls back to 0 (``--spec-fallback``, on by default) while the same measurements say
+drafts cost more than they yield: the adaptive choice between 0 and that k only, so that
+speculation is never slower than decoding without it. The acceptance counts also weigh the
+speculation cache's branches (gateway/rounds.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gateway.adaptive import AcceptanceCounts, AdaptiveK, CostModel, load_level
+from gateway.adaptive import AcceptanceCounts, AdaptiveK, CostModel, context_level, load_level
 from gateway.replicas import ReplicaPool
 from gateway.rounds import RoundResult
 from services.config import GatewayConfig
@@ -30,7 +33,8 @@ class DraftLength:
         self.limits = limits
         self.drafters = drafters
         self._inflight = inflight
-        self.costs: dict[tuple[str, int], CostModel] = {}  # per drafter kind and load level
+        # per drafter kind, load level and context level
+        self.costs: dict[tuple[str, int, int], CostModel] = {}
         self.acceptance: dict[str, AcceptanceCounts] = {}  # per drafter kind
 
     def kind(self, spec) -> str:
@@ -42,20 +46,26 @@ class DraftLength:
         return kind if kind in kinds or not kinds else sorted(kinds)[0]
 
     def choose(self, req, kind: str) -> int:
-        """The request's k, else the gateway's, else the adaptive choice; capped by the
-        remaining budget and context."""
+        """The request's k, else the gateway's (or none while its drafts do not pay: the
+        fallback), else the adaptive choice; capped by the remaining budget and context."""
         spec = req.spec
         if not spec.speculate or len(self.drafters) == 0:
             return 0
         k = spec.num_draft_tokens or self.config.num_draft_tokens
-        if not k and spec.seed is not None and not spec.params.greedy:
+        seeded = spec.seed is not None and not spec.params.greedy
+        if not k and seeded:
             # A seeded sample is reproducible only with the same k in every run: adaptive k
             # depends on timings, so seeded sampling uses a fixed k.
             k = min(4, self.config.max_adaptive_k)
-        if not k:
+        # The gateway's own fixed k falls back to none while drafts do not pay; a k the
+        # request set is its own choice, and a seeded sample needs the same k every run.
+        only = k if (not spec.num_draft_tokens and self.config.spec_fallback
+                     and not seeded) else 0
+        if not k or only:
             if req.adaptive is None:
-                req.adaptive = AdaptiveK(self._costs(kind), self.config.max_adaptive_k)
-            req.adaptive.costs = self._costs(kind)  # the load may have changed
+                req.adaptive = AdaptiveK(self._costs(kind, req), self.config.max_adaptive_k,
+                                         only=only)
+            req.adaptive.costs = self._costs(kind, req)  # load and context may have changed
             k = req.adaptive.next_k()
         room = self.limits.max_context - len(req.handle.tokens) - 1
         return max(0, min(k, self.limits.max_draft_tokens, spec.max_new_tokens - req.generated - 1,
@@ -67,7 +77,7 @@ class DraftLength:
         cost nothing there, but only because the previous round's guess held)."""
         k = len(r.drafted)
         if r.pipeline != "used" and r.warm:
-            self._costs(kind).observe(
+            self._costs(kind, req).observe(
                 k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
         if req.adaptive is None:  # (an adaptive k feeds the shared counts itself)
             self.acceptance_of(kind).observe(k, r.num_accepted)
@@ -75,12 +85,14 @@ class DraftLength:
             req.adaptive.observe(k, r.num_accepted)
             log.debug("session %s: k=%d accepted=%d pipeline=%s alpha=%.2f costs=%s",
                       req.handle.session_id, k, r.num_accepted, r.pipeline or "-",
-                      req.adaptive.alpha, self._costs(kind))
+                      req.adaptive.alpha, self._costs(kind, req))
 
-    def _costs(self, kind: str) -> CostModel:
-        """The cost model of ``kind`` at the gateway's current load: round cycles measured
-        with 8 requests in flight say little about a lone request's, and the reverse."""
-        key = (kind, load_level(self._inflight()))
+    def _costs(self, kind: str, req) -> CostModel:
+        """The cost model of ``kind`` at the gateway's current load and the request's
+        context length: round cycles measured with 8 requests in flight say little about a
+        lone request's, those over 100-token contexts little about 900-token ones, and the
+        reverse."""
+        key = (kind, load_level(self._inflight()), context_level(len(req.handle.tokens)))
         model = self.costs.get(key)
         if model is None:
             model = self.costs[key] = CostModel(acceptance=self.acceptance_of(kind))
@@ -98,5 +110,5 @@ class DraftLength:
             return
         started, r = req.last_round
         if r.warm:
-            self._costs(kind).observe_cycle(
+            self._costs(kind, req).observe_cycle(
                 len(r.drafted), (now - started) * 1000.0)

@@ -16,6 +16,12 @@ draft, with no draft call on its critical path (a hit); a miss drafts as before.
 used only when the committed prefix is exactly the one it was drawn from and it carries
 the q its tokens were drawn from, so the output stays lossless; its draws use the seed a
 fresh draft of round r+1 would use, so seeded sampling draws the same either way.
+
+A session no drafter holds yet (a new one, or one whose drafter failed) starts with a lead
+round: the verifier alone computes the prompt and the next token while a drafter computes
+the prompt and k drafts alongside, so a prompt's time to the first token is the verifier's
+alone; greedy, the drafts after the first are the next round's if the verifier's token is
+the first.
 """
 
 from __future__ import annotations
@@ -158,6 +164,9 @@ class RoundRunner:
         verifies them for session ``h``; with the speculation cache on, drafts the next
         round's branches meanwhile (``acceptance`` weighs their outcomes). Updates the
         handle's replica fields (who holds the caches) but not its tokens."""
+        if (self.config.lead_round and k and prefetch is None and not h.drafter_len
+                and kind == "model"):
+            return await self._lead(h, params, k, kind, seed, round_index, deadline, logprobs)
         old = len(h.tokens)
         start = time.perf_counter()
         # Plan: the prepared branch that was committed, else a draft call.
@@ -207,6 +216,46 @@ class RoundRunner:
             warm=result.cache_hit and (not fresh or draft.cache_hit),
             waited_ms=(end - mid + (mid - start if fresh else 0.0)) * 1000,
             logprobs=result.logprobs)
+
+    async def _lead(self, h: SessionHandle, params: SamplingParams, k: int, kind: str,
+                    seed: int, round_index: int, deadline, logprobs: int) -> RoundResult:
+        """A round for a session no drafter holds (a new one, or its drafter failed): the
+        verifier computes the prompt and the next token alone while a drafter computes the
+        prompt and k drafts alongside, instead of before it, so the prompt's time to the
+        first token is the verifier's alone. Greedy, the drafts after the first are the
+        next round's draft if the verifier's token equals the first (a one-branch
+        speculation cache); sampling drafts afresh with a warm drafter (so a seeded sample
+        draws as it would without this round)."""
+        old = len(h.tokens)
+        start = time.perf_counter()
+        verify = asyncio.ensure_future(self._verify(
+            h, params, None, round_seed(seed, round_index, "verify"), deadline, logprobs))
+        drafting = asyncio.ensure_future(self._draft(
+            h, params, k, kind, round_seed(seed, round_index, "draft"), deadline))
+        try:
+            result = await verify
+        except BaseException:
+            drafting.cancel()
+            raise
+        verified = time.perf_counter()
+        try:
+            draft = await drafting
+        except Exception as exc:  # noqa: BLE001 - optional work: the next round drafts
+            log.info("no lead draft for session %s: %s", h.session_id, exc)
+            draft = None
+        tail, spec = None, None
+        if draft is not None:
+            tail = draft.token_ids[: max(0, draft.cached_len - old)]
+            if params.greedy and len(draft.token_ids) > 1:
+                rest = dataclasses.replace(
+                    draft, token_ids=draft.token_ids[1:], q_ids=draft.q_ids[1:],
+                    q_probs=draft.q_probs[1:])
+                spec = SpecCache(base=old, branches={(draft.token_ids[0],): rest})
+        return RoundResult(
+            drafted=(), drafter_tail=tail, num_accepted=0, extra_token=result.extra_token,
+            draft_ms=0.0, verify_ms=(verified - start) * 1000, draft_compute_ms=0.0,
+            verify_compute_ms=result.compute_ms, warm=result.cache_hit, prefetch=spec,
+            waited_ms=(time.perf_counter() - start) * 1000, logprobs=result.logprobs)
 
     def _fanout(self, replica) -> int:
         """Branches to ask for: the configured fan-out when the drafter serves no other call

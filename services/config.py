@@ -206,6 +206,7 @@ class GatewayConfig:
     drafters: tuple[str, ...] = ()
     verifiers: tuple[str, ...] = ()
     num_draft_tokens: int = 3  # 0 = adaptive, up to max_adaptive_k
+    spec_fallback: bool = True  # the gateway's fixed k drops to 0 while drafts do not pay
     max_adaptive_k: int = 8
     max_support: int = 32
     default_max_new_tokens: int = 128
@@ -219,6 +220,7 @@ class GatewayConfig:
     replica_retry_s: float = 2.0
     default_drafter_kind: str = "model"
     pipeline: bool = True  # speculation cache: draft round r+1 while round r is being verified
+    lead_round: bool = True  # a new session's first round: verifier alone, drafter beside it
     spec_fanout: int = 16  # most branches of the speculation cache per round
     spec_max_requests: int = 1  # trees only while the gateway runs at most this many requests
     step_batching: bool = True  # Draft/Verify calls made meanwhile go as one RPC per step

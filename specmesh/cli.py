@@ -219,6 +219,12 @@ def gateway(
              "the bench a fixed k is faster, see docs/performance.md).")] = 3,
     max_adaptive_k: Annotated[int, typer.Option(
         envvar="SPECMESH_MAX_ADAPTIVE_K", help="Largest k the adaptive choice may pick.")] = 8,
+    spec_fallback: Annotated[bool, typer.Option(
+        "--spec-fallback/--no-spec-fallback", envvar="SPECMESH_SPEC_FALLBACK",
+        help="With a fixed --num-draft-tokens: a request drafts no tokens while, by its "
+             "measured acceptance and the measured round times, drafts cost more than they "
+             "yield (a drafter poor on this text, a long context), probing now and then. "
+             "Not for requests that set their own k or sample with a seed.")] = True,
     default_drafter_kind: Annotated[str, typer.Option(
         envvar="SPECMESH_DEFAULT_DRAFTER_KIND",
         help="Drafter kind for requests that name none: model or ngram.")] = "model",
@@ -226,6 +232,11 @@ def gateway(
         "--pipeline/--no-pipeline", envvar="SPECMESH_PIPELINE",
         help="Speculation cache: while the verifier checks a round, the model drafter drafts "
              "the next round for its likely outcomes; a hit needs no draft call.")] = True,
+    lead_round: Annotated[bool, typer.Option(
+        "--lead-round/--no-lead-round", envvar="SPECMESH_LEAD_ROUND",
+        help="A session no drafter holds yet starts with a round that verifies no drafts "
+             "while the drafter computes the prompt and drafts beside it: the first token "
+             "waits for the verifier alone.")] = True,
     step_batching: Annotated[bool, typer.Option(
         "--step-batching/--no-step-batching", envvar="SPECMESH_STEP_BATCHING",
         help="Draft and Verify calls made while one to the same replica is in flight go "
@@ -306,9 +317,11 @@ def gateway(
             api_keys=load_api_keys(api_keys) if api_keys else (),
             drafters=parse_addresses(drafters), verifiers=parse_addresses(verifiers),
             num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
+            spec_fallback=spec_fallback,
             max_support=max_support,
             default_drafter_kind=default_drafter_kind, pipeline=pipeline, spec_fanout=spec_fanout,
             step_batching=step_batching, spec_max_requests=spec_max_requests,
+            lead_round=lead_round,
             prefix_affinity=prefix_affinity, discovery=discovery,
             namespace=namespace, drafter_service=drafter_service,
             verifier_service=verifier_service, drafter_port=drafter_port,

@@ -74,6 +74,9 @@ def up(
                     "adaptive).")] = None,
     max_adaptive_k: Annotated[int | None, typer.Option(
         min=1, help="Gateway: largest k the adaptive choice may pick.")] = None,
+    spec_fallback: Annotated[bool | None, typer.Option(
+        "--spec-fallback/--no-spec-fallback",
+        help="Gateway: the fixed k drops to 0 while drafts do not pay (default on).")] = None,
     pipeline: Annotated[bool | None, typer.Option(
         "--pipeline/--no-pipeline", help="Gateway: the speculation cache (default on).")] = None,
     spec_fanout: Annotated[int | None, typer.Option(
@@ -110,6 +113,7 @@ def up(
                        log_dir=log_dir, metrics_port=metrics_port,
                        gateway_args=_gateway_args(
                            num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
+                           spec_fallback=spec_fallback,
                            pipeline=pipeline, spec_fanout=spec_fanout,
                            spec_max_requests=spec_max_requests, step_batching=step_batching,
                            default_drafter_kind=default_drafter_kind,

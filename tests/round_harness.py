@@ -106,20 +106,24 @@ def greedy_chain(lm: TableLM, prompt: list[int], n: int) -> list[int]:
 class InProcessStub:
     """A stub whose RPCs call ``servicer``'s methods in this process."""
 
-    def __init__(self, servicer) -> None:
+    def __init__(self, servicer, events: list | None = None) -> None:
         self._servicer = servicer
         self.calls: dict[str, int] = {}
+        self.events = [] if events is None else events  # (method, "start" | "end"), in order
 
     def __getattr__(self, method: str):
         handler = getattr(self._servicer, method)
 
         async def call(request, timeout=None):
             self.calls[method] = self.calls.get(method, 0) + 1
+            self.events.append((method, "start"))
             try:  # a call's own context, as on a call stream (services/call_stream.py)
                 return await handler(request, CallContext(None))
             except CallAborted as aborted:  # raised as a channel would raise it
                 error = aborted.to_pb()
                 raise rpc_error(aborted.code, aborted.details, error.resync) from None
+            finally:
+                self.events.append((method, "end"))
 
         return call
 
@@ -151,11 +155,12 @@ class Harness:
                                     verifiers=("verifier",), drafters=("drafter",),
                                     pipeline=pipeline, spec_fanout=fanout)
         pools = {}
+        self.events: list[tuple[str, str]] = []  # both replicas' calls, in order
         for kind, engine, servicer in (
                 ("verifier", self.verifier, VerifierServicer),
                 ("drafter", self.drafter, DrafterServicer)):
             pool = ReplicaPool(kind, (), retry_s=1.0, channel_options=[])
-            stub = InProcessStub(servicer(engine, _metrics(kind, engine)))
+            stub = InProcessStub(servicer(engine, _metrics(kind, engine)), self.events)
             pool.replicas[kind] = Replica(kind, None, stub,
                                           info=meta_to_pb(engine.meta, "model", 16))
             pools[kind] = pool

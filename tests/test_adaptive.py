@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from gateway.adaptive import AdaptiveK, CostModel, best_k, expected_tokens, load_level
+from gateway.adaptive import (
+    AdaptiveK,
+    CostModel,
+    best_k,
+    context_level,
+    expected_tokens,
+    load_level,
+)
 
 
 def costs(draft=1.0, base=10.0, per_draft=0.5, rtt=0.5) -> CostModel:
@@ -69,8 +76,11 @@ def test_controller_measures_then_tracks_acceptance():
     assert ctl.alpha > 0.9 and ctl.next_k() >= 6
     for _ in range(60):  # then drafts always rejected at once (the 8-token successes of the
         ctl.observe(ctl.next_k() or 1, 0)  # good phase take a while to fade)
-    ks = [ctl.next_k() for _ in range(16)]
-    assert ks.count(0) >= 12 and 1 in ks  # stops speculating, but keeps probing
+    ks = [ctl.next_k() for _ in range(200)]
+    assert ks.count(0) >= 190 and 1 in ks[-64:]  # stops speculating, but keeps probing,
+    probes = [i for i, k in enumerate(ks) if k]  # less and less often while nothing changes
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[-1] == 64 and gaps == sorted(gaps), gaps
 
 
 def test_alpha_is_the_pooled_rate_and_one_bad_round_does_not_stop_speculation():
@@ -127,3 +137,47 @@ def test_measured_round_cycles_decide_and_are_interpolated():
 
 def test_costs_are_kept_per_load_level():
     assert [load_level(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16)] == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+
+
+def test_costs_are_kept_per_context_level():
+    assert [context_level(n) for n in (0, 255, 256, 511, 512, 1023, 1024)] == [
+        0, 0, 1, 1, 2, 2, 3]
+
+
+def _simulate(ctl: AdaptiveK, model: CostModel, alpha: float, cycle, rounds: int,
+              rng: random.Random) -> list[int]:
+    """Runs ``rounds`` rounds of a request whose drafts are accepted at a per-token rate of
+    ``alpha`` and whose round at k costs ``cycle(k)`` ms; returns the k of each round."""
+    ks = []
+    for _ in range(rounds):
+        k = ctl.next_k()
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        ctl.observe(k, accepted)
+        model.observe_cycle(k, cycle(k))
+        ks.append(k)
+    return ks
+
+
+def test_speculation_stops_when_it_no_longer_pays_though_k0_was_measured_dear():
+    """The case measured on the demo pair behind an 800-token context: the drafter's
+    acceptance fell to 0.15 and a round with 3 drafts cost 25 ms against 14.5 without, but
+    the one k = 0 cycle the gateway had seen was an early, slow one (30 ms). Probing only
+    k ± 1 never measured k = 0 again and kept drafting 3 tokens a round (0.84x of
+    target-only); the probes must refresh k = 0 too, and then k = 0 must win."""
+    model = costs(draft=0.5, base=10.0, per_draft=1.0, rtt=0.5)
+    model.observe_cycle(0, 30.0)  # stale
+    for k in (1, 2, 3, 4):
+        model.observe_cycle(k, 14.5 + 3.5 * k)
+    ctl = AdaptiveK(model, k_max=4, prior_alpha=0.6, prior_rounds=4.0)
+    ks = _simulate(ctl, model, 0.15, lambda k: 14.5 + 3.5 * k, 200, random.Random(2))
+    assert model.round_ms(0) < 18.0  # re-measured (an EWMA: it approaches 14.5)
+    tail = ks[-64:]
+    assert tail.count(0) >= 48, tail  # no speculation but the probes (1 in 8 rounds)
+    # ... and with drafts that pay, the k = 0 probe costs one round in 32
+    model = costs(draft=0.5, base=10.0, per_draft=1.0, rtt=0.5)
+    ctl = AdaptiveK(model, k_max=4)
+    ks = _simulate(ctl, model, 0.8, lambda k: 10.0 + 1.5 * k, 200, random.Random(3))
+    tail = ks[-64:]
+    assert tail.count(0) <= 3 and sum(tail) / len(tail) >= 2.5, tail

@@ -38,17 +38,21 @@ def test_greedy_output_is_the_targets_own(pipeline, fanout):
 def test_a_prepared_branch_is_used_exactly_when_it_was_committed():
     """Each round: "used" iff the committed (accepted drafts + the verifier's token) was one
     of the branches prepared during the previous verify; then the round made no draft call
-    and its drafts are that branch's. Otherwise "dropped" (something prepared) or "none"."""
+    and its drafts are that branch's. Otherwise "dropped" (something prepared) or "none".
+    The first round is the lead round (no drafts verified, one draft call beside)."""
     target, draft = tables(vocab=48, seed=2, noise=1.5)
     harness = Harness(target, draft, pipeline=True, fanout=6)
     stub = harness.stub("drafter")
-    seen = {"used": 0, "dropped": 0, "none": 0}
+    seen = {"used": 0, "dropped": 0, "none": 0, "": 0}
     draft_calls = [0]
 
     def check(before, committed_before, r, h):
         calls = stub.calls.get("Draft", 0)
         new_draft_calls, draft_calls[0] = calls - draft_calls[0], calls
         seen[r.pipeline] += 1
+        if before is None and not seen["used"] + seen["dropped"] + seen["none"]:
+            assert r.pipeline == "" and r.drafted == () and new_draft_calls == 1
+            return
         if before is None:
             assert r.pipeline == "none" and new_draft_calls == 1
             return
@@ -61,7 +65,41 @@ def test_a_prepared_branch_is_used_exactly_when_it_was_committed():
 
     _run(harness, 80, on_round=check)
     assert seen["used"] > 0 and seen["dropped"] > 0  # both paths ran
-    assert stub.calls["Speculate"] == sum(seen.values())  # one per round with drafts
+    assert seen[""] == 1  # the lead round only
+    assert stub.calls["Speculate"] == sum(seen.values()) - 1  # one per round with drafts
+
+
+@pytest.mark.parametrize("seed", [2, 3, 4, 5])
+def test_a_new_session_leads_with_the_verifier_alone(seed):
+    """The first round of a session no drafter holds verifies no drafts, so its token waits
+    only for the verifier's prefill, while the drafter computes the prompt and k drafts
+    beside it (its call starts before the verify ends). Greedy, its drafts after the
+    first are round two's draft when the verifier's token equals the first draft, with no
+    draft call; otherwise round two drafts afresh on the warm drafter. The output is the
+    target's greedy chain either way."""
+    target, draft = tables(vocab=48, seed=seed, noise=1.5)
+    harness = Harness(target, draft, pipeline=False)
+    drafter = harness.stub("drafter")
+    rounds_seen = []
+
+    def check(before, committed_before, r, h):
+        rounds_seen.append((before, r, drafter.calls.get("Draft", 0)))
+
+    h, rounds = _run(harness, 30, on_round=check)
+    assert h.tokens[len(PROMPT):][:30] == greedy_chain(target, PROMPT, 30)
+    lead = rounds[0]
+    assert lead.drafted == () and lead.num_accepted == 0
+    events = harness.events
+    assert events.index(("Draft", "start")) < events.index(("Verify", "end"))
+    (branch, prepared), = lead.prefetch.branches.items()
+    assert len(branch) == 1 and len(prepared.token_ids) == 2  # k = 3: the guess, then 2
+    second, calls_after_two = rounds_seen[1][1], rounds_seen[1][2]
+    if lead.extra_token == branch[0]:
+        assert second.pipeline == "used" and second.drafted == prepared.token_ids
+        assert calls_after_two == 1  # the lead round's call only
+    else:
+        assert second.pipeline == "dropped" and calls_after_two == 2
+    assert harness.drafter.caches.fresh_prefills == 1  # the lead call's: never again
 
 
 def test_cursors_match_what_each_replica_holds_so_no_round_resyncs():
@@ -120,8 +158,8 @@ def test_a_drafter_that_lost_the_session_is_resynced_and_output_is_unchanged():
     assert evicted == [True]
     assert h.tokens[len(PROMPT):][:60] == greedy_chain(target, PROMPT, 60)
     assert harness.drafter.caches.resyncs_requested >= 1
-    # a resync, not a replica failure: every round still has its drafts
-    assert all(r.drafted for r in rounds)
+    # a resync, not a replica failure: every round after the lead round has its drafts
+    assert rounds[0].drafted == () and all(r.drafted for r in rounds[1:])
 
 
 def test_a_busy_drafter_or_a_loaded_gateway_gets_no_branches():

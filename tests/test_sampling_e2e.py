@@ -1,6 +1,10 @@
 """The sampling path through the real services is lossless: the first generated token of a
 request is distributed as the target's warped distribution, although it came from a
-drafter whose distribution is very different (so rejections and residual draws happen)."""
+drafter whose distribution is very different (so rejections and residual draws happen).
+
+The test's mesh runs its gateway with --no-lead-round: by default a new session's first
+token comes from the verifier alone (the drafter computes the prompt beside it), which
+would leave no draft to accept or reject at the first position."""
 
 from __future__ import annotations
 
@@ -8,10 +12,12 @@ import math
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from services.sampling import SamplingParams, warp_logits
 from specmesh.client import GatewayClient, build_request
+from tests.conftest import launch
 
 CANDIDATES = ["def f(x):", "import os", "class A:", "# The", "return", "for i in", "x = ",
               "while", "print(", "if not", "self.", "try:", "with open(", "\"\"\"", "from"]
@@ -30,8 +36,18 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
+@pytest.fixture(scope="module")
+def drafting_mesh(tiny_pair, redis_url, tmp_path_factory):
+    """A mesh whose first round drafts, like every later one (see the module docstring)."""
+    m = launch(tiny_pair, redis_url, tmp_path_factory.mktemp("sampling-mesh-logs"),
+               extra_gateway_args=("--no-lead-round",))
+    yield m
+    m.stop()
+
+
 def test_first_token_follows_the_target_distribution_through_the_mesh(
-        mesh, target_model, draft_model):
+        drafting_mesh, target_model, draft_model):
+    mesh = drafting_mesh
     model, tokenizer = target_model
     # A prompt where draft and target disagree a lot, yet not completely (the acceptance
     # probability of a draft is 1 - TV(p, q)), so both accepted drafts and residual draws occur.

@@ -149,8 +149,12 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
 {{- end }}
 - name: SPECMESH_NUM_DRAFT_TOKENS
   value: {{ $c.numDraftTokens | quote }}
+- name: SPECMESH_SPEC_FALLBACK
+  value: {{ $c.specFallback | quote }}
 - name: SPECMESH_PIPELINE
   value: {{ $c.pipeline | quote }}
+- name: SPECMESH_LEAD_ROUND
+  value: {{ $c.leadRound | quote }}
 - name: SPECMESH_SPEC_FANOUT
   value: {{ $c.specFanout | quote }}
 - name: SPECMESH_SPEC_MAX_REQUESTS
