@@ -103,7 +103,8 @@ class RoundResult:
     verify_compute_ms: float
     pipeline: str = ""  # speculation cache: "used" (hit), "dropped" (miss) or "none"
     #                     (nothing prepared); "" without drafts
-    warm: bool = True  # both calls found their caches (no prefill or resync in the timings)
+    warm: bool = True  # both calls found their caches and the drafter had at most k + 1
+    #                    tokens to catch up with (no prefill, resync or catch-up in the timings)
     prefetch: SpecCache | None = None  # drafts for the next round, if prepared
     waited_ms: float = 0.0  # time spent awaiting replicas (the rest of the round is the gateway's)
     logprobs: tuple[TokenLogprobs, ...] = ()  # of ``proposed``, when the request asked for them
@@ -168,6 +169,7 @@ class RoundRunner:
                 and kind == "model"):
             return await self._lead(h, params, k, kind, seed, round_index, deadline, logprobs)
         old = len(h.tokens)
+        lag = old - min(h.drafter_len, old) if h.drafter else old  # tokens a draft must feed
         start = time.perf_counter()
         # Plan: the prepared branch that was committed, else a draft call.
         draft, outcome = None, ""
@@ -213,7 +215,7 @@ class RoundRunner:
             verify_ms=(verified - mid) * 1000,
             draft_compute_ms=draft.compute_ms if fresh else 0.0,
             verify_compute_ms=result.compute_ms, pipeline=outcome, prefetch=spec,
-            warm=result.cache_hit and (not fresh or draft.cache_hit),
+            warm=result.cache_hit and (not fresh or (draft.cache_hit and lag <= k + 1)),
             waited_ms=(end - mid + (mid - start if fresh else 0.0)) * 1000,
             logprobs=result.logprobs)
 
