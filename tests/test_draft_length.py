@@ -1,7 +1,7 @@
 """The gateway's choice of k per round (gateway/draft_length.py), driven the way the round
 loop drives it (choose, then learn the round, then the cycle at the next round's start),
-with round times and acceptance from a fixed-seed simulation: no replicas are called (the
-pool's one drafter address is never dialled)."""
+with round times and acceptance from a fixed-seed simulation: no replica is called (the
+pool's one drafter has no channel)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from gateway.chunks import TargetLimits
 from gateway.draft_length import DraftLength
-from gateway.replicas import ReplicaPool
+from gateway.replicas import Replica, ReplicaPool
 from gateway.requests import GenerationSpec
 from gateway.rounds import RoundResult
 from services.config import GatewayConfig, ServerConfig
@@ -39,7 +39,8 @@ def _run(spec: GenerationSpec, alpha: float, cycle_ms, rounds: int = 200, contex
     ``alpha`` and whose round with k drafts takes ``cycle_ms(k)`` from start to next start."""
     cfg = GatewayConfig(server=ServerConfig(port=1), redis_url="redis://x",
                         verifiers=("127.0.0.1:2",), **config)
-    pool = ReplicaPool("drafter", ("127.0.0.1:1",), 1.0, [])
+    pool = ReplicaPool("drafter", (), 1.0, [])
+    pool.replicas["drafter"] = Replica("drafter", None, None)  # never called
     limits = TargetLimits(vocab_size=100, max_context=1 << 20, eos_token_ids=frozenset(),
                           fingerprint="f", max_draft_tokens=8)
     dl = DraftLength(cfg, limits, pool, inflight=lambda: 1)
