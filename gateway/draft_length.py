@@ -5,17 +5,21 @@ The request's k, else the gateway's (``--num-draft-tokens``), else the adaptive 
 the acceptance counts of the request and of its drafter kind; always capped by the
 request's remaining budget, the context and the replicas' limit. The gateway's fixed k
 falls back to 0 (``--spec-fallback``, on by default) while the same measurements say
-drafts cost more than they yield: the adaptive choice between 0 and that k only, so that
-speculation is never slower than decoding without it. The acceptance counts also weigh the
+drafts cost more than they yield: for a lone request the adaptive choice between 0 and
+that k only, under load one choice for all requests from their measured throughput with
+and without drafts (gateway/load_switch.py), so that speculation is never slower than
+decoding without it. The acceptance counts also weigh the
 speculation cache's branches (gateway/rounds.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from gateway.adaptive import AcceptanceCounts, AdaptiveK, CostModel, context_level, load_level
+from gateway.load_switch import LoadSwitch
 from gateway.replicas import ReplicaPool
 from gateway.rounds import RoundResult
 from services.config import GatewayConfig
@@ -28,11 +32,14 @@ class DraftLength:
     adaptive, last_round)."""
 
     def __init__(self, config: GatewayConfig, limits, drafters: ReplicaPool,
-                 inflight: Callable[[], int]) -> None:
+                 inflight: Callable[[], int],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.limits = limits
         self.drafters = drafters
         self._inflight = inflight
+        self._clock = clock  # the engine's round start times are on this clock
+        self.switches: dict[tuple[str, int], LoadSwitch] = {}  # per drafter kind, load level
         # per drafter kind, load level and context level
         self.costs: dict[tuple[str, int, int], CostModel] = {}
         self.acceptance: dict[str, AcceptanceCounts] = {}  # per drafter kind
@@ -61,7 +68,11 @@ class DraftLength:
         # request set is its own choice, and a seeded sample needs the same k every run.
         only = k if (not spec.num_draft_tokens and self.config.spec_fallback
                      and not seeded) else 0
-        if not k or only:
+        if only and load_level(self._inflight()) > 0:
+            # Under load, whether to draft is decided for all requests together
+            # (gateway/load_switch.py): one request's round times cannot tell.
+            k = only if self._switch(kind).mode(self._clock()) else 0
+        elif not k or only:
             if req.adaptive is None:
                 req.adaptive = AdaptiveK(self._costs(kind, req), self.config.max_adaptive_k,
                                          only=only)
@@ -98,6 +109,18 @@ class DraftLength:
             model = self.costs[key] = CostModel(acceptance=self.acceptance_of(kind))
         return model
 
+    def _switch(self, kind: str) -> LoadSwitch:
+        """The load switch of ``kind`` at the current load level; a new level's starts from
+        the nearest level's."""
+        level = load_level(self._inflight())
+        switch = self.switches.get((kind, level))
+        if switch is None:
+            near = min((key for key in self.switches if key[0] == kind),
+                       key=lambda key: abs(key[1] - level), default=None)
+            switch = self.switches[(kind, level)] = (
+                self.switches[near].seeded() if near is not None else LoadSwitch())
+        return switch
+
     def acceptance_of(self, kind: str) -> AcceptanceCounts:
         """The gateway-wide acceptance counts of a drafter kind (all requests' rounds)."""
         return self.acceptance.setdefault(kind, AcceptanceCounts(decay=0.98))
@@ -105,10 +128,12 @@ class DraftLength:
     def learn_cycle(self, req, kind: str, now: float) -> None:
         """The previous round's whole cycle (its calls, the gateway's commit and streaming,
         what pipelining hid), measured from its start to this round's: what the adaptive k
-        weighs against tokens per round."""
+        weighs against tokens per round, and under load the switch against the tokens."""
         if req.last_round is None:
             return
         started, r = req.last_round
+        if load_level(self._inflight()) > 0:
+            self._switch(kind).observe(started, now - started, len(r.proposed))
         if r.warm:
             self._costs(kind, req).observe_cycle(
                 len(r.drafted), (now - started) * 1000.0)

@@ -79,6 +79,10 @@ def up(
         help="Gateway: the fixed k drops to 0 while drafts do not pay (default on).")] = None,
     pipeline: Annotated[bool | None, typer.Option(
         "--pipeline/--no-pipeline", help="Gateway: the speculation cache (default on).")] = None,
+    lead_round: Annotated[bool | None, typer.Option(
+        "--lead-round/--no-lead-round",
+        help="Gateway: a new session's first round verifies alone while the drafter "
+             "computes the prompt beside it (default on).")] = None,
     spec_fanout: Annotated[int | None, typer.Option(
         min=1, max=64, help="Gateway: most branches the speculation cache drafts per "
                             "round.")] = None,
@@ -113,7 +117,7 @@ def up(
                        log_dir=log_dir, metrics_port=metrics_port,
                        gateway_args=_gateway_args(
                            num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
-                           spec_fallback=spec_fallback,
+                           spec_fallback=spec_fallback, lead_round=lead_round,
                            pipeline=pipeline, spec_fanout=spec_fanout,
                            spec_max_requests=spec_max_requests, step_batching=step_batching,
                            default_drafter_kind=default_drafter_kind,

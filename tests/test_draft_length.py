@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from gateway.chunks import TargetLimits
 from gateway.draft_length import DraftLength
+from gateway.load_switch import LoadSwitch
 from gateway.replicas import Replica, ReplicaPool
 from gateway.requests import GenerationSpec
 from gateway.rounds import RoundResult
@@ -88,3 +89,85 @@ def test_a_k_the_request_set_seeded_sampling_and_no_fallback_keep_the_k():
     seeded = replace(GREEDY, seed=1, params=SamplingParams(temperature=0.8))
     assert set(_run(seeded, 0.15, bad)) == {3}  # same k every run, so the same sample
     assert set(_run(GREEDY, 0.15, bad, spec_fallback=False)) == {3}
+
+
+def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 20.0,
+                streams: int = 8) -> list[tuple[float, int]]:
+    """``streams`` requests at once on a simulated clock, whose rounds all take
+    ``plain_ms`` while none drafts and ``spec_ms`` while all do (in between by the share
+    that drafts), as batched passes do; returns (start time, k) of every round."""
+    cfg = GatewayConfig(server=ServerConfig(port=1), redis_url="redis://x",
+                        verifiers=("127.0.0.1:2",))
+    pool = ReplicaPool("drafter", (), 1.0, [])
+    pool.replicas["drafter"] = Replica("drafter", None, None)
+    limits = TargetLimits(vocab_size=100, max_context=1 << 20, eos_token_ids=frozenset(),
+                          fingerprint="f", max_draft_tokens=8)
+    now = [0.0]
+    dl = DraftLength(cfg, limits, pool, inflight=lambda: streams, clock=lambda: now[0])
+    reqs = [_Req(GREEDY, SessionHandle(session_id=f"s{i}", version=0, tokens=[5] * 900))
+            for i in range(streams)]
+    ks = [3] * streams
+    due = [i * 0.001 for i in range(streams)]
+    rng, log = random.Random(11), []
+    while min(due) < seconds:
+        i = min(range(streams), key=due.__getitem__)
+        now[0] = due[i]
+        dl.learn_cycle(reqs[i], "model", now[0])
+        ks[i] = k = dl.choose(reqs[i], "model")
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        r = RoundResult(drafted=(9,) * k, drafter_tail=(9,) * k, num_accepted=accepted,
+                        extra_token=3, draft_ms=0.0, verify_ms=8.0, draft_compute_ms=0.0,
+                        verify_compute_ms=7.0)
+        dl.learn(reqs[i], "model", r)
+        reqs[i].last_round = (now[0], r)
+        share = sum(1 for j in ks if j) / streams
+        due[i] = now[0] + (plain_ms + share * (spec_ms - plain_ms)) / 1000.0
+        log.append((now[0], k))
+    return log
+
+
+def _drafting_share(log, after: float) -> float:
+    late = [k for t, k in log if t >= after]
+    return sum(1 for k in late if k) / len(late)
+
+
+def test_under_load_drafting_stops_for_all_when_it_does_not_pay():
+    """8 streams behind a long context, acceptance 0.15: rounds take 53 ms while all draft
+    (1.18 tokens each) and 31 ms while none does (1 token): not drafting is 1.5x the
+    throughput. Each request's own rounds take about as long either way while the others
+    draft, so only a choice for all of them finds it."""
+    log = _population(0.15, plain_ms=31.0, spec_ms=53.0)
+    assert _drafting_share(log, 10.0) < 0.15  # the exploring epochs only
+
+
+def test_under_load_drafting_stays_when_it_pays():
+    """Acceptance 0.65 (2.35 tokens a round), 38 ms with drafts against 28 without."""
+    log = _population(0.65, plain_ms=28.0, spec_ms=38.0)
+    assert _drafting_share(log, 10.0) > 0.85
+
+
+def test_the_switch_keeps_the_better_mode_and_explores_less_while_it_holds():
+    """Epochs of 0.5 s: each mode measured once, then the better one, with the other
+    tried after 2, 4, 8 and 16 epochs while it keeps losing."""
+    switch = LoadSwitch()
+    rate = {True: 40.0, False: 30.0}  # tokens per request-second of each mode
+    t, modes = 0.0, []
+    while t < 60.0:
+        mode = switch.mode(t)
+        modes.append(mode)
+        switch.observe(t, 0.05, round(rate[mode] * 0.05 * 10) / 10)
+        t += 0.05
+    epochs = [modes[0]] + [b for a, b in zip(modes, modes[1:], strict=False) if a != b]
+    assert epochs[:3] == [True, False, True]  # measure both, keep the better
+    assert modes.count(False) < 0.15 * len(modes)
+    assert switch.rate[True] > switch.rate[False]
+    runs, run = [], 0
+    for m in modes[20:]:  # lengths of the runs of the better mode after the first two
+        if m:
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    assert runs == sorted(runs) and runs[-1] > 3 * runs[0], runs
