@@ -59,6 +59,7 @@ class RequestTelemetry:
         h = req.handle
         network = (r.draft_ms - r.draft_compute_ms) + (r.verify_ms - r.verify_compute_ms)
         span.set_attributes({
+            "specmesh.round.k": len(r.drafted),  # verified: a lead round none, as it turned out
             "specmesh.round.accepted": r.num_accepted,
             "specmesh.round.first_rejection": (r.num_accepted if r.num_accepted < len(r.drafted)
                                                else -1),
