@@ -14,8 +14,10 @@ least ``epoch_s`` and ``min_rounds`` rounds), and measures each epoch's tokens p
 request-second: the tokens of the rounds that began in it over those rounds' cycle times
 (a round that began in the previous mode does not count). It keeps the better mode and
 tries the other one again after 2 epochs, then 4, 8 and 16 while the incumbent keeps
-winning: with a 1.5x difference, 1 epoch in 17 costs about 2%. A tie goes to not drafting.
-A load level seen for the first time starts from the nearest level's rates and mode.
+winning (2, 8, 16 when the other mode reached less than 0.8 of its rate): with a 1.5x
+difference, 1 epoch in 17 costs about 2%. A tie goes to not drafting.
+A load level seen for the first time starts from the nearest level's rates, mode and pace
+of exploring.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ class LoadSwitch:
     weight: float = 0.5  # of an epoch's rate in its mode's running average
     first_explore: int = 2  # epochs of the incumbent before the other mode is tried again
     max_explore: int = 16  # ... doubling while the incumbent keeps winning, up to this
+    wide_margin: float = 0.8  # (quadrupling while the other mode's rate is below this share)
     speculate: bool = True  # the mode of the current epoch
     rate: dict[bool, float] = field(default_factory=dict)  # tokens per request-second
     _incumbent: bool = True
     _exploring: bool = False
+    _measuring: bool = False  # the second mode's first epoch
     _every: int = 0
     _streak: int = 0
     _start: float | None = None
@@ -43,16 +47,16 @@ class LoadSwitch:
     _rounds: int = 0
 
     def __post_init__(self) -> None:
-        self._every = self.first_explore
+        self._every = self._every or self.first_explore
 
     def seeded(self) -> LoadSwitch:
-        """A switch for another load level that starts from this one's rates and mode (so
-        it does not begin by running the worse mode for an epoch); it tries the other mode
-        after ``first_explore`` epochs like any incumbent."""
+        """A switch for another load level that starts from this one's rates, mode and pace
+        of exploring (so it does not begin by running the worse mode for an epoch)."""
         best = self.rate[True] > self.rate[False] if len(self.rate) == 2 else self._incumbent
         return LoadSwitch(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
                           first_explore=self.first_explore, max_explore=self.max_explore,
-                          speculate=best, rate=dict(self.rate), _incumbent=best)
+                          wide_margin=self.wide_margin, speculate=best, rate=dict(self.rate),
+                          _incumbent=best, _every=self._every)
 
     def mode(self, now: float) -> bool:
         """Whether a round starting ``now`` drafts. An epoch interrupted for longer than
@@ -82,13 +86,19 @@ class LoadSwitch:
         old = self.rate.get(mode)
         self.rate[mode] = rate if old is None else (1 - self.weight) * old + self.weight * rate
         if (not mode) not in self.rate:  # the other mode was never measured: now
-            self._exploring, self.speculate = True, not mode
+            self._exploring, self._measuring, self.speculate = True, True, not mode
             return
         best = self.rate[True] > self.rate[False]
+        if self._measuring:  # both measured once: the better one begins
+            self._exploring = self._measuring = False
+            self._incumbent = self.speculate = best
+            return
         if self._exploring:
             self._exploring = False
-            self._every = (min(self.max_explore, 2 * self._every) if best == self._incumbent
-                           else self.first_explore)
+            # A mode that lost by a wide margin is tried again later than one that nearly won
+            wide = min(self.rate.values()) < self.wide_margin * max(self.rate.values())
+            self._every = (min(self.max_explore, (4 if wide else 2) * self._every)
+                           if best == self._incumbent else self.first_explore)
             self._incumbent, self._streak = best, 0
             self.speculate = best
             return
