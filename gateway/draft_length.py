@@ -132,7 +132,7 @@ class DraftLength:
         if req.last_round is None:
             return
         started, r = req.last_round
-        if load_level(self._inflight()) > 0:
+        if r.warm and load_level(self._inflight()) > 0:  # (a prefill yields 1 token slowly)
             self._switch(kind).observe(started, now - started, len(r.proposed))
         if r.warm:
             self._costs(kind, req).observe_cycle(
