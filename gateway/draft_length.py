@@ -40,6 +40,7 @@ class DraftLength:
         self._inflight = inflight
         self._clock = clock  # the engine's round start times are on this clock
         self.switches: dict[tuple[str, int], LoadSwitch] = {}  # per drafter kind, load level
+        self._load: float | None = None  # requests in flight, averaged over recent rounds
         # per drafter kind, load level and context level
         self.costs: dict[tuple[str, int, int], CostModel] = {}
         self.acceptance: dict[str, AcceptanceCounts] = {}  # per drafter kind
@@ -68,7 +69,9 @@ class DraftLength:
         # request set is its own choice, and a seeded sample needs the same k every run.
         only = k if (not spec.num_draft_tokens and self.config.spec_fallback
                      and not seeded) else 0
-        if only and load_level(self._inflight()) > 0:
+        inflight = self._inflight()
+        self._load = inflight if self._load is None else self._load + 0.05 * (inflight - self._load)
+        if only and load_level(inflight) > 0:
             # Under load, whether to draft is decided for all requests together
             # (gateway/load_switch.py): one request's round times cannot tell.
             k = only if self._switch(kind).mode(self._clock()) else 0
@@ -110,9 +113,12 @@ class DraftLength:
         return model
 
     def _switch(self, kind: str) -> LoadSwitch:
-        """The load switch of ``kind`` at the current load level; a new level's starts from
-        the nearest level's."""
-        level = load_level(self._inflight())
+        """The load switch of ``kind`` at the load level of the requests in flight averaged
+        over the last rounds (a request that ends and the next that starts would otherwise
+        flip 8 streams between the levels of 4-7 and 8-15 at every boundary, handing a few
+        rounds to a switch whose epochs never complete); a new level's starts from the
+        nearest level's."""
+        level = load_level(round(self._load or self._inflight()))
         switch = self.switches.get((kind, level))
         if switch is None:
             near = min((key for key in self.switches if key[0] == kind),

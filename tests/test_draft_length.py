@@ -92,7 +92,7 @@ def test_a_k_the_request_set_seeded_sampling_and_no_fallback_keep_the_k():
 
 
 def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 20.0,
-                streams: int = 8) -> list[tuple[float, int]]:
+                streams: int = 8, dl_out: list | None = None) -> list[tuple[float, int]]:
     """``streams`` requests at once on a simulated clock, whose rounds all take
     ``plain_ms`` while none drafts and ``spec_ms`` while all do (in between by the share
     that drafts), as batched passes do; returns (start time, k) of every round."""
@@ -103,7 +103,15 @@ def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 
     limits = TargetLimits(vocab_size=100, max_context=1 << 20, eos_token_ids=frozenset(),
                           fingerprint="f", max_draft_tokens=8)
     now = [0.0]
-    dl = DraftLength(cfg, limits, pool, inflight=lambda: streams, clock=lambda: now[0])
+    calls = [0]
+
+    def inflight() -> int:  # one call in ten sees a request that ended before the next began
+        calls[0] += 1
+        return streams - 1 if calls[0] % 10 == 0 else streams
+
+    dl = DraftLength(cfg, limits, pool, inflight=inflight, clock=lambda: now[0])
+    if dl_out is not None:
+        dl_out.append(dl)
     reqs = [_Req(GREEDY, SessionHandle(session_id=f"s{i}", version=0, tokens=[5] * 900))
             for i in range(streams)]
     ks = [3] * streams
@@ -138,8 +146,12 @@ def test_under_load_drafting_stops_for_all_when_it_does_not_pay():
     (1.18 tokens each) and 31 ms while none does (1 token): not drafting is 1.5x the
     throughput. Each request's own rounds take about as long either way while the others
     draft, so only a choice for all of them finds it."""
-    log = _population(0.15, plain_ms=31.0, spec_ms=53.0)
+    dls = []
+    log = _population(0.15, plain_ms=31.0, spec_ms=53.0, dl_out=dls)
     assert _drafting_share(log, 10.0) < 0.15  # the exploring epochs only
+    # one switch: the brief dips to 7 requests in flight (level 4-7) do not hand rounds to
+    # another level's switch, whose epochs would never complete
+    assert set(dls[0].switches) == {("model", 3)}
 
 
 def test_under_load_drafting_stays_when_it_pays():
