@@ -8,8 +8,8 @@ falls back to 0 (``--spec-fallback``, on by default) while the same measurements
 drafts cost more than they yield: for a lone request the adaptive choice between 0 and
 that k only, under load one choice for all requests from their measured throughput with
 and without drafts (gateway/load_switch.py), so that speculation is never slower than
-decoding without it. The acceptance counts also weigh the
-speculation cache's branches (gateway/rounds.py).
+decoding without it. The acceptance counts also weigh the speculation cache's branches
+(gateway/rounds.py).
 """
 
 from __future__ import annotations
