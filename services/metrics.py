@@ -82,7 +82,8 @@ class GatewayMetrics:
                "Sessions this gateway is advancing now", active_sessions)
 
     def round(self, proposed: int, accepted: int, kept: int, seconds: float) -> None:
-        self.rounds.add(1)
+        # drafted "false": a round without drafts (the fallback, a lead round, target-only)
+        self.rounds.add(1, {"drafted": "true" if proposed else "false"})
         self.tokens.add(kept)
         self.round_duration.record(seconds)
         for position in range(proposed):
