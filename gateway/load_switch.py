@@ -35,9 +35,7 @@ class LoadSwitch:
     wide_margin: float = 0.8  # (quadrupling while the other mode's rate is below this share)
     speculate: bool = True  # the mode of the current epoch
     rate: dict[bool, float] = field(default_factory=dict)  # tokens per request-second
-    _incumbent: bool = True
-    _exploring: bool = False
-    _measuring: bool = False  # the second mode's first epoch
+    _exploring: bool = False  # this epoch tries the mode that is not the incumbent
     _every: int = 0
     _streak: int = 0
     _start: float | None = None
@@ -49,14 +47,19 @@ class LoadSwitch:
     def __post_init__(self) -> None:
         self._every = self._every or self.first_explore
 
+    @property
+    def incumbent(self) -> bool:
+        """The mode kept between explorations."""
+        return self.speculate != self._exploring
+
     def seeded(self) -> LoadSwitch:
         """A switch for another load level that starts from this one's rates, mode and pace
         of exploring (so it does not begin by running the worse mode for an epoch)."""
-        best = self.rate[True] > self.rate[False] if len(self.rate) == 2 else self._incumbent
+        best = self.rate[True] > self.rate[False] if len(self.rate) == 2 else self.incumbent
         return LoadSwitch(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
                           first_explore=self.first_explore, max_explore=self.max_explore,
                           wide_margin=self.wide_margin, speculate=best, rate=dict(self.rate),
-                          _incumbent=best, _every=self._every)
+                          _every=self._every)
 
     def mode(self, now: float) -> bool:
         """Whether a round starting ``now`` drafts. An epoch interrupted for longer than
@@ -86,23 +89,19 @@ class LoadSwitch:
         old = self.rate.get(mode)
         self.rate[mode] = rate if old is None else (1 - self.weight) * old + self.weight * rate
         if (not mode) not in self.rate:  # the other mode was never measured: now
-            self._exploring, self._measuring, self.speculate = True, True, not mode
+            self._exploring, self.speculate = True, not mode
             return
         best = self.rate[True] > self.rate[False]
-        if self._measuring:  # both measured once: the better one begins
-            self._exploring = self._measuring = False
-            self._incumbent = self.speculate = best
+        if old is None:  # both measured once: the better one begins
+            self._exploring, self.speculate = False, best
             return
         if self._exploring:
-            self._exploring = False
             # A mode that lost by a wide margin is tried again later than one that nearly won
             wide = min(self.rate.values()) < self.wide_margin * max(self.rate.values())
             self._every = (min(self.max_explore, (4 if wide else 2) * self._every)
-                           if best == self._incumbent else self.first_explore)
-            self._incumbent, self._streak = best, 0
-            self.speculate = best
+                           if best == self.incumbent else self.first_explore)
+            self._exploring, self._streak, self.speculate = False, 0, best
             return
-        self._incumbent = best
         self._streak += 1
         if self._streak >= self._every:
             self._exploring, self._streak = True, 0
