@@ -65,12 +65,19 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _trim(draft: DraftResult, k: int) -> DraftResult:
-    """The first k drafts (k may have shrunk since they were prepared)."""
-    if len(draft.token_ids) <= k:
+def _part(draft: DraftResult, start: int = 0, stop: int | None = None) -> DraftResult:
+    """Drafts start..stop with their q: the first k (k may have shrunk since they were
+    prepared), or all but a lead round's first (its guess of the verifier's token)."""
+    if start == 0 and (stop is None or len(draft.token_ids) <= stop):
         return draft
-    return dataclasses.replace(draft, token_ids=draft.token_ids[:k], q_ids=draft.q_ids[:k],
-                               q_probs=draft.q_probs[:k])
+    cut = slice(start, stop)
+    return dataclasses.replace(draft, token_ids=draft.token_ids[cut], q_ids=draft.q_ids[cut],
+                               q_probs=draft.q_probs[cut])
+
+
+def _held(draft: DraftResult, old: int) -> tuple[int, ...]:
+    """The drafts a draft call left in its drafter's cache past the ``old`` committed ones."""
+    return draft.token_ids[: max(0, draft.cached_len - old)]
 
 
 def _delta(session_id: str, tokens: list[int], base: int) -> CacheDelta:
@@ -177,7 +184,7 @@ class RoundRunner:
             prepared = prefetch.lookup(h.tokens) if prefetch is not None else None
             outcome = "none" if prefetch is None else "used" if prepared else "dropped"
             if prepared is not None:
-                draft = _trim(prepared, k)
+                draft = _part(prepared, stop=k)
             else:
                 draft = await self._draft(h, params, k, kind,
                                           round_seed(seed, round_index, "draft"), deadline)
@@ -207,7 +214,7 @@ class RoundRunner:
         if spec is not None:
             tail = drafted.token_ids[: cached - old]
         elif fresh:
-            tail = draft.token_ids[: max(0, draft.cached_len - old)]
+            tail = _held(draft, old)
         return RoundResult(
             drafted=drafted.token_ids if drafted else (), drafter_tail=tail,
             num_accepted=result.num_accepted, extra_token=result.extra_token,
@@ -247,12 +254,9 @@ class RoundRunner:
             draft = None
         tail, spec = None, None
         if draft is not None:
-            tail = draft.token_ids[: max(0, draft.cached_len - old)]
+            tail = _held(draft, old)
             if params.greedy and len(draft.token_ids) > 1:
-                rest = dataclasses.replace(
-                    draft, token_ids=draft.token_ids[1:], q_ids=draft.q_ids[1:],
-                    q_probs=draft.q_probs[1:])
-                spec = SpecCache(base=old, branches={(draft.token_ids[0],): rest})
+                spec = SpecCache(base=old, branches={(draft.token_ids[0],): _part(draft, 1)})
         return RoundResult(
             drafted=(), drafter_tail=tail, num_accepted=0, extra_token=result.extra_token,
             draft_ms=0.0, verify_ms=(verified - start) * 1000, draft_compute_ms=0.0,
