@@ -135,11 +135,9 @@ class DraftLength:
         """The previous round's whole cycle (its calls, the gateway's commit and streaming,
         what pipelining hid), measured from its start to this round's: what the adaptive k
         weighs against tokens per round, and under load the switch against the tokens."""
-        if req.last_round is None:
+        if req.last_round is None or not req.last_round[1].warm:  # (a prefill is slow)
             return
         started, r = req.last_round
-        if r.warm and load_level(self._inflight()) > 0:  # (a prefill yields 1 token slowly)
+        if load_level(self._inflight()) > 0:
             self._switch(kind).observe(started, now - started, len(r.proposed))
-        if r.warm:
-            self._costs(kind, req).observe_cycle(
-                len(r.drafted), (now - started) * 1000.0)
+        self._costs(kind, req).observe_cycle(len(r.drafted), (now - started) * 1000.0)
