@@ -34,17 +34,24 @@ class _Req:
     last_round: tuple[float, RoundResult] | None = None
 
 
+def _draft_length(inflight, clock=None, **config) -> DraftLength:
+    """A gateway's DraftLength with one model drafter (never called: it has no channel)."""
+    cfg = GatewayConfig(server=ServerConfig(port=1), redis_url="redis://x",
+                        verifiers=("127.0.0.1:2",), **config)
+    pool = ReplicaPool("drafter", (), 1.0, [])
+    pool.replicas["drafter"] = Replica("drafter", None, None)
+    limits = TargetLimits(vocab_size=100, max_context=1 << 20, eos_token_ids=frozenset(),
+                          fingerprint="f", max_draft_tokens=8)
+    if clock is None:
+        return DraftLength(cfg, limits, pool, inflight=inflight)
+    return DraftLength(cfg, limits, pool, inflight=inflight, clock=clock)
+
+
 def _run(spec: GenerationSpec, alpha: float, cycle_ms, rounds: int = 200, context: int = 900,
          **config) -> list[int]:
     """k of each of ``rounds`` rounds of one request whose drafts are accepted per token at
     ``alpha`` and whose round with k drafts takes ``cycle_ms(k)`` from start to next start."""
-    cfg = GatewayConfig(server=ServerConfig(port=1), redis_url="redis://x",
-                        verifiers=("127.0.0.1:2",), **config)
-    pool = ReplicaPool("drafter", (), 1.0, [])
-    pool.replicas["drafter"] = Replica("drafter", None, None)  # never called
-    limits = TargetLimits(vocab_size=100, max_context=1 << 20, eos_token_ids=frozenset(),
-                          fingerprint="f", max_draft_tokens=8)
-    dl = DraftLength(cfg, limits, pool, inflight=lambda: 1)
+    dl = _draft_length(lambda: 1, **config)
     req = _Req(spec, SessionHandle(session_id="s", version=0, tokens=[5] * context))
     rng, now, ks = random.Random(7), 0.0, []
     for _ in range(rounds):
@@ -96,12 +103,6 @@ def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 
     """``streams`` requests at once on a simulated clock, whose rounds all take
     ``plain_ms`` while none drafts and ``spec_ms`` while all do (in between by the share
     that drafts), as batched passes do; returns (start time, k) of every round."""
-    cfg = GatewayConfig(server=ServerConfig(port=1), redis_url="redis://x",
-                        verifiers=("127.0.0.1:2",))
-    pool = ReplicaPool("drafter", (), 1.0, [])
-    pool.replicas["drafter"] = Replica("drafter", None, None)
-    limits = TargetLimits(vocab_size=100, max_context=1 << 20, eos_token_ids=frozenset(),
-                          fingerprint="f", max_draft_tokens=8)
     now = [0.0]
     calls = [0]
 
@@ -109,7 +110,7 @@ def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 
         calls[0] += 1
         return streams - 1 if calls[0] % 10 == 0 else streams
 
-    dl = DraftLength(cfg, limits, pool, inflight=inflight, clock=lambda: now[0])
+    dl = _draft_length(inflight, clock=lambda: now[0])
     if dl_out is not None:
         dl_out.append(dl)
     reqs = [_Req(GREEDY, SessionHandle(session_id=f"s{i}", version=0, tokens=[5] * 900))
