@@ -209,6 +209,62 @@ def test_commit_with_stale_version_is_busy_and_changes_nothing(redis_server, pre
     assert loaded.tokens == [1, 2, 3] and loaded.version == 2 and loaded.target == ""
 
 
+def test_commit_many_gives_each_commit_its_own_outcome(redis_server, prefix, sync):
+    """One pipeline, three sessions: the current one advances, the stale one is refused and
+    the closed one is not found, each as its own commit would be, and the refusals change
+    nothing in Redis."""
+    ok_id, stale_id, gone_id = new_id(), new_id(), new_id()
+
+    async def body(store):
+        handles = {}
+        for sid in (ok_id, stale_id, gone_id):
+            await store.create(handle(sid, [1, 2]))
+            await store.acquire(sid, "me")
+            handles[sid] = await store.load(sid)
+        other = await store.load(stale_id)
+        other.tokens += [7]
+        await store.commit(other, [7], "me")  # the stale handle is now one version behind
+        await store.delete(gone_id)
+        before = _snapshot(sync, prefix, stale_id)
+        for h in handles.values():
+            h.tokens += [3, 4]
+        errors = await store.commit_many([store.prepare_commit(h, [3, 4], "me")
+                                          for h in handles.values()])
+        return handles, errors, before, await store.load(ok_id)
+
+    handles, errors, before, loaded = run(redis_server, prefix, body)
+    assert errors[0] is None and isinstance(errors[1], Busy) and isinstance(errors[2], NotFound)
+    assert handles[ok_id].version == 2 and loaded.version == 2
+    assert loaded.tokens == [1, 2, 3, 4]
+    assert handles[stale_id].version == 1, "a refused commit must not bump the caller's version"
+    assert _snapshot(sync, prefix, stale_id) == before
+    assert not sync.exists(prefix + gone_id)
+
+
+def test_commit_many_loads_the_script_again_after_redis_lost_it(redis_server, prefix, sync):
+    """A Redis that restarted without its script cache answers NOSCRIPT: the commits are
+    run again after loading it, and each session's tokens are appended exactly once."""
+    ids = [new_id(), new_id()]
+
+    async def body(store):
+        handles = []
+        for sid in ids:
+            await store.create(handle(sid, [5]))
+            await store.acquire(sid, "me")
+            handles.append(await store.load(sid))
+        sync.script_flush()
+        for h in handles:
+            h.tokens += [6, 7]
+        errors = await store.commit_many([store.prepare_commit(h, [6, 7], "me")
+                                          for h in handles])
+        return errors, [h.version for h in handles]
+
+    errors, versions = run(redis_server, prefix, body)
+    assert errors == [None, None] and versions == [2, 2]
+    for sid in ids:
+        assert sync.get(prefix + sid + ":tokens") == packed([5, 6, 7])
+
+
 def test_commit_while_another_request_holds_the_lease_is_busy_and_changes_nothing(
         redis_server, prefix, sync):
     sid = new_id()
@@ -430,6 +486,15 @@ def test_corrupted_tokens_make_load_unavailable(redis_server, prefix, sync, corr
 # --------------------------------------------------------------------------- Redis down
 
 
+async def _commit_many_raising(store, h):
+    """commit_many reports errors per commit: every commit of a pipeline to a dead Redis
+    fails on its own (distinct errors), raised here for the test's table."""
+    errors = await store.commit_many([store.prepare_commit(h, [4], "me"),
+                                      store.prepare_commit(h, [4], "me")])
+    assert all(isinstance(e, Unavailable) for e in errors) and errors[0] is not errors[1]
+    raise errors[0]
+
+
 def test_stopped_redis_makes_every_operation_unavailable(tmp_path):
     proc, url = start_redis(tmp_path)
     prefix = "down:"
@@ -452,6 +517,7 @@ def test_stopped_redis_makes_every_operation_unavailable(tmp_path):
             "create": store.create(handle(new_id())),
             "load": store.load(sid),
             "commit": store.commit(h, [4], "me"),
+            "commit_many": _commit_many_raising(store, h),
             "acquire": store.acquire(sid, "other"),
             "release": store.release(sid, "me"),
             "delete": store.delete(sid),
