@@ -24,6 +24,7 @@ from gateway import clients
 from gateway.adaptive import AdaptiveK
 from gateway.chunks import Chunk, Finish, TargetLimits, Usage
 from gateway.clients import ReplicaFailed
+from gateway.commits import CommitBatcher
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.draft_length import DraftLength
 from gateway.replicas import ReplicaPool
@@ -74,6 +75,7 @@ class GenerationEngine:
         self.drafters = drafters
         self.verifiers = verifiers
         self.store = store
+        self.commits = CommitBatcher(store)  # a round's commit goes with its step's others
         self.rounds = RoundRunner(config, drafters, verifiers, lambda: self._inflight,
                                   index=store.client)
         meter = meter or metrics_api.NoOpMeterProvider().get_meter("specmesh")
@@ -152,7 +154,7 @@ class GenerationEngine:
             handle.tokens.extend(prompt)
             turn = TurnRecord.begin(spec, len(handle.tokens), len(prompt), seed)
             handle.turn = turn.to_dict()
-            await self.store.commit(handle, prompt, owner)
+            await self.commits.commit(handle, prompt, owner)
         else:
             prompt = await self._tokenize(spec, continuing=False)
             if not prompt:
@@ -334,7 +336,7 @@ class GenerationEngine:
         delay, give_up = 0.05, None
         while True:
             try:
-                await self.store.commit(h, h.tokens[len(h.tokens) - req.pending:], req.owner)
+                await self.commits.commit(h, h.tokens[len(h.tokens) - req.pending:], req.owner)
                 req.pending = 0
                 return
             except Unavailable as exc:

@@ -53,6 +53,18 @@ def _link(w: _Waiting) -> trace.Link | None:
     return trace.Link(span.get_span_context()) if span.get_span_context().is_valid else None
 
 
+async def gather_wave(size: Callable[[], int], max_turns: int) -> None:
+    """Yields to the event loop until one turn of it added nothing to a queue (``size``),
+    at most ``max_turns`` turns: the calls of one wave (the sessions an answer woke, each
+    making its next call as the loop accounts for it) then go together."""
+    seen = -1
+    for _ in range(max_turns):
+        if size() == seen:
+            return
+        seen = size()
+        await asyncio.sleep(0)
+
+
 class StepBatcher:
     """One replica's calls of one kind (``name``: "Verify" or "Draft"), a step at a time.
     ``send_one`` makes a call alone; ``send_batch`` makes one batched RPC. A replica that
@@ -104,12 +116,7 @@ class StepBatcher:
 
     async def _run(self) -> None:
         try:
-            seen = -1
-            for _ in range(self._max_turns):  # gather the wave
-                if len(self._queue) == seen:
-                    break
-                seen = len(self._queue)
-                await asyncio.sleep(0)
+            await gather_wave(lambda: len(self._queue), self._max_turns)
             batch = [w for w in self._queue if not w.future.done()]
             self._queue.clear()
             if batch:
