@@ -18,7 +18,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway.adaptive import AcceptanceCounts, AdaptiveK, CostModel, context_level, load_level
+from gateway.adaptive import (
+    AcceptanceCounts,
+    AdaptiveK,
+    CostModel,
+    best_k,
+    context_level,
+    load_level,
+)
 from gateway.load_switch import LoadSwitch
 from gateway.replicas import ReplicaPool
 from gateway.rounds import RoundResult
@@ -74,7 +81,7 @@ class DraftLength:
         if only and load_level(inflight) > 0:
             # Under load, whether to draft is decided for all requests together
             # (gateway/load_switch.py): one request's round times cannot tell.
-            k = only if self._switch(kind).mode(self._clock()) else 0
+            k = only if self._switch(kind, req).mode(self._clock()) else 0
         elif not k or only:
             if req.adaptive is None:
                 req.adaptive = AdaptiveK(self._costs(kind, req), self.config.max_adaptive_k,
@@ -112,20 +119,35 @@ class DraftLength:
             model = self.costs[key] = CostModel(acceptance=self.acceptance_of(kind))
         return model
 
-    def _switch(self, kind: str) -> LoadSwitch:
+    def _switch(self, kind: str, req) -> LoadSwitch:
         """The load switch of ``kind`` at the load level of the requests in flight averaged
         over the last rounds (a request that ends and the next that starts would otherwise
         flip 8 streams between the levels of 4-7 and 8-15 at every boundary, handing a few
         rounds to a switch whose epochs never complete); a new level's starts from the
-        nearest level's."""
+        nearest level's, the first one from what lone requests measured (``_pays_alone``)."""
         level = load_level(round(self._load or self._inflight()))
         switch = self.switches.get((kind, level))
         if switch is None:
             near = min((key for key in self.switches if key[0] == kind),
                        key=lambda key: abs(key[1] - level), default=None)
-            switch = self.switches[(kind, level)] = (
-                self.switches[near].seeded() if near is not None else LoadSwitch())
+            if near is not None:
+                switch = self.switches[near].seeded()
+            else:
+                pays = self._pays_alone(kind, req)
+                switch = LoadSwitch() if pays is None else LoadSwitch(speculate=pays,
+                                                                      patient=True)
+            self.switches[(kind, level)] = switch
         return switch
+
+    def _pays_alone(self, kind: str, req) -> bool | None:
+        """Whether the gateway's k (the switch's drafting mode) paid for lone requests of
+        ``kind`` at ``req``'s context length, by their measured round cycles and acceptance
+        (None: not measured)."""
+        k = self.config.num_draft_tokens
+        costs = self.costs.get((kind, 0, context_level(len(req.handle.tokens))))
+        if not k or costs is None or not costs.known:
+            return None
+        return best_k(self.acceptance_of(kind).alpha(0.6), costs, k, only=k) > 0
 
     def acceptance_of(self, kind: str) -> AcceptanceCounts:
         """The gateway-wide acceptance counts of a drafter kind (all requests' rounds)."""
@@ -139,5 +161,5 @@ class DraftLength:
             return
         started, r = req.last_round
         if load_level(self._inflight()) > 0:
-            self._switch(kind).observe(started, now - started, len(r.proposed))
+            self._switch(kind, req).observe(started, now - started, len(r.proposed))
         self._costs(kind, req).observe_cycle(len(r.drafted), (now - started) * 1000.0)

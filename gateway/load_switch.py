@@ -18,7 +18,10 @@ tries the other one again after 2 epochs, then 4, 8 and 16 while the incumbent k
 winning (2, 8, 16 when the other mode reached less than 0.8 of its rate): with a 1.5x
 difference, 1 epoch in 17 costs about 2%. A tie goes to not drafting.
 A load level seen for the first time starts from the nearest level's rates, mode and pace
-of exploring.
+of exploring; the first level of all from what lone requests measured (draft_length.py), so
+that a gateway whose drafts did not pay for one request does not begin its first loaded
+epochs drafting. A switch whose first mode came from such evidence (``patient``) measures
+the other mode on the usual schedule, after ``first_explore`` epochs, not at once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class LoadSwitch:
     max_explore: int = 16  # ... doubling while the incumbent keeps winning, up to this
     wide_margin: float = 0.8  # (quadrupling while the other mode's rate is below this share)
     speculate: bool = True  # the mode of the current epoch
+    patient: bool = False  # the first mode came from evidence: explore on schedule
     rate: dict[bool, float] = field(default_factory=dict)  # tokens per request-second
     _exploring: bool = False  # this epoch tries the mode that is not the incumbent
     _every: int = 0
@@ -59,8 +63,8 @@ class LoadSwitch:
         best = self.rate[True] > self.rate[False] if len(self.rate) == 2 else self.incumbent
         return LoadSwitch(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
                           first_explore=self.first_explore, max_explore=self.max_explore,
-                          wide_margin=self.wide_margin, speculate=best, rate=dict(self.rate),
-                          _every=self._every)
+                          wide_margin=self.wide_margin, speculate=best, patient=True,
+                          rate=dict(self.rate), _every=self._every)
 
     def mode(self, now: float) -> bool:
         """Whether a round starting ``now`` drafts. An epoch interrupted for longer than
@@ -89,13 +93,16 @@ class LoadSwitch:
         mode, rate = self.speculate, self._tokens / self._busy_s
         old = self.rate.get(mode)
         self.rate[mode] = rate if old is None else (1 - self.weight) * old + self.weight * rate
-        if (not mode) not in self.rate:  # the other mode was never measured: now
-            self._exploring, self.speculate = True, not mode
-            return
-        best = self.rate[True] > self.rate[False]
-        if old is None:  # both measured once: the better one begins
-            self._exploring, self.speculate = False, best
-            return
+        if (not mode) not in self.rate:
+            if not self.patient:  # the other mode was never measured: now
+                self._exploring, self.speculate = True, not mode
+                return
+            best = mode  # (evidence chose it: the other is measured on schedule)
+        else:
+            best = self.rate[True] > self.rate[False]
+            if old is None and not self.patient:  # both measured once: the better begins
+                self._exploring, self.speculate = False, best
+                return
         if self._exploring:
             # A mode that lost by a wide margin is tried again later than one that nearly won
             wide = min(self.rate.values()) < self.wide_margin * max(self.rate.values())

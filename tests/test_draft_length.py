@@ -53,9 +53,15 @@ def _run(spec: GenerationSpec, alpha: float, cycle_ms, rounds: int = 200, contex
     ``alpha`` and whose round with k drafts takes ``cycle_ms(k)`` from start to next start."""
     dl = _draft_length(lambda: 1, **config)
     req = _Req(spec, SessionHandle(session_id="s", version=0, tokens=[5] * context))
-    rng, now, ks = random.Random(7), 0.0, []
+    return _rounds(dl, req, alpha, cycle_ms, rounds, [0.0])
+
+
+def _rounds(dl: DraftLength, req: _Req, alpha: float, cycle_ms, rounds: int,
+            now: list[float]) -> list[int]:
+    """``rounds`` rounds of ``req`` alone from ``now[0]`` (advanced); each one's k."""
+    rng, ks = random.Random(7), []
     for _ in range(rounds):
-        dl.learn_cycle(req, "model", now)
+        dl.learn_cycle(req, "model", now[0])
         k = dl.choose(req, "model")
         accepted = 0
         while accepted < k and rng.random() < alpha:
@@ -64,8 +70,8 @@ def _run(spec: GenerationSpec, alpha: float, cycle_ms, rounds: int = 200, contex
                         extra_token=3, draft_ms=1.0 if k else 0.0, verify_ms=8.0,
                         draft_compute_ms=0.5 if k else 0.0, verify_compute_ms=7.0)
         dl.learn(req, "model", r)
-        req.last_round = (now, r)
-        now += cycle_ms(k) / 1000.0
+        req.last_round = (now[0], r)
+        now[0] += cycle_ms(k) / 1000.0
         ks.append(k)
     return ks
 
@@ -99,20 +105,30 @@ def test_a_k_the_request_set_seeded_sampling_and_no_fallback_keep_the_k():
 
 
 def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 20.0,
-                streams: int = 8, dl_out: list | None = None) -> list[tuple[float, int]]:
+                streams: int = 8, dl_out: list | None = None,
+                alone_ms=None) -> list[tuple[float, int]]:
     """``streams`` requests at once on a simulated clock, whose rounds all take
     ``plain_ms`` while none drafts and ``spec_ms`` while all do (in between by the share
-    that drafts), as batched passes do; returns (start time, k) of every round."""
+    that drafts), as batched passes do; returns (start time, k) of every round. With
+    ``alone_ms`` (k -> ms), one request first runs 200 rounds alone on the same gateway."""
     now = [0.0]
     calls = [0]
+    alone = [alone_ms is not None]
 
     def inflight() -> int:  # one call in ten sees a request that ended before the next began
         calls[0] += 1
+        if alone[0]:
+            return 1
         return streams - 1 if calls[0] % 10 == 0 else streams
 
     dl = _draft_length(inflight, clock=lambda: now[0])
     if dl_out is not None:
         dl_out.append(dl)
+    if alone[0]:
+        _rounds(dl, _Req(GREEDY, SessionHandle(session_id="a", version=0, tokens=[5] * 900)),
+                alpha, alone_ms, 200, now)
+        assert not dl.switches
+        alone[0], now[0] = False, 0.0
     reqs = [_Req(GREEDY, SessionHandle(session_id=f"s{i}", version=0, tokens=[5] * 900))
             for i in range(streams)]
     ks = [3] * streams
@@ -159,6 +175,26 @@ def test_under_load_drafting_stays_when_it_pays():
     """Acceptance 0.65 (2.35 tokens a round), 38 ms with drafts against 28 without."""
     log = _population(0.65, plain_ms=28.0, spec_ms=38.0)
     assert _drafting_share(log, 10.0) > 0.85
+
+
+def test_loaded_epochs_begin_with_what_lone_requests_found():
+    """A gateway whose lone requests behind a long context found that drafts do not pay
+    starts its first loaded epochs without them and measures drafting on the usual
+    schedule (after 2 epochs of 0.5 s), instead of beginning with an epoch of drafting; one
+    whose lone requests found that drafts pay begins drafting, as a switch without evidence
+    does."""
+    dls = []
+    log = _population(0.15, plain_ms=31.0, spec_ms=53.0, seconds=4.0, alone_ms=bad,
+                      dl_out=dls)
+    first = min(t for t, k in log if k)
+    assert 1.0 <= first < 2.5, first  # two plain epochs, then drafting is measured
+    assert all(switch.patient for switch in dls[0].switches.values())
+    cold = _population(0.15, plain_ms=31.0, spec_ms=53.0, seconds=4.0)
+    assert _drafting_share(cold, 0.0) > _drafting_share(log, 0.0)
+    assert min(t for t, k in cold if k) < 0.01  # no evidence: the first epoch drafts
+    paying = _population(0.65, plain_ms=28.0, spec_ms=38.0, seconds=1.0,
+                         alone_ms=lambda k: 10.0 + 1.5 * k)
+    assert _drafting_share(paying, 0.0) > 0.9
 
 
 def _switch_modes(rate: dict[bool, float], seconds: float = 60.0) -> list[bool]:
