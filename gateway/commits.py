@@ -18,6 +18,7 @@ after its commit returned.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.step_batch import gather_wave
@@ -31,10 +32,12 @@ class _Queued:
 
 
 class CommitBatcher:
-    """Commits to ``store`` a pipeline at a time."""
+    """Commits to ``store`` a pipeline at a time; ``on_pipeline`` is told each one's size."""
 
-    def __init__(self, store: SessionStore, max_turns: int = 16) -> None:
+    def __init__(self, store: SessionStore, max_turns: int = 16,
+                 on_pipeline: Callable[[int], None] = lambda size: None) -> None:
         self.store = store
+        self._on_pipeline = on_pipeline
         self._max_turns = max_turns
         self._queue: list[_Queued] = []
         self._flush: asyncio.Task | None = None  # the pipeline being gathered or in flight
@@ -64,6 +67,7 @@ class CommitBatcher:
             self.pipelines += 1
             self.commits += len(batch)
             self.largest = max(self.largest, len(batch))
+            self._on_pipeline(len(batch))
             errors = await self.store.commit_many([q.commit for q in batch])
             for q, error in zip(batch, errors, strict=True):
                 if q.future.done():

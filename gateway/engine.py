@@ -75,11 +75,14 @@ class GenerationEngine:
         self.drafters = drafters
         self.verifiers = verifiers
         self.store = store
-        self.commits = CommitBatcher(store)  # a round's commit goes with its step's others
         self.rounds = RoundRunner(config, drafters, verifiers, lambda: self._inflight,
                                   index=store.client)
         meter = meter or metrics_api.NoOpMeterProvider().get_meter("specmesh")
-        self.metrics = GatewayMetrics(meter, lambda: self._inflight)
+        self.metrics = GatewayMetrics(
+            meter, lambda: self._inflight,
+            lambda: [(kind, level, s) for (kind, level), s in list(self.k.switches.items())])
+        # a round's commit goes with those of its step's other sessions
+        self.commits = CommitBatcher(store, on_pipeline=self.metrics.commit_batch.record)
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
         self.k = DraftLength(config, limits, drafters, lambda: self._inflight)

@@ -3,7 +3,7 @@ underscores and add ``_total`` to counters). docs/observability.md lists them al
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -29,8 +29,20 @@ def _counter(meter: metrics.Meter, name: str, unit: str, description: str,
                                     description=description)
 
 
+def _gauges(meter: metrics.Meter, name: str, unit: str, description: str,
+            read: Callable[[], Iterable[tuple[float, dict]]]) -> None:
+    """A gauge with one value per label set that ``read`` yields when scraped."""
+    def callback(_: CallbackOptions):
+        for value, labels in read():
+            yield Observation(value, labels)
+
+    meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
+
+
 class GatewayMetrics:
-    def __init__(self, meter: metrics.Meter, active_sessions: Callable[[], int]) -> None:
+    def __init__(self, meter: metrics.Meter, active_sessions: Callable[[], int],
+                 switches: Callable[[], Iterable[tuple[str, int, object]]] = tuple) -> None:
+        """``switches``: (drafter kind, load level, LoadSwitch) of each load switch."""
         self.tokens = meter.create_counter(
             "specmesh.tokens.generated", unit="{token}", description="Completion tokens streamed")
         self.proposed = meter.create_counter(
@@ -80,6 +92,28 @@ class GatewayMetrics:
             "specmesh.requests.active", unit="{request}", description="Requests in flight")
         _gauge(meter, "specmesh.sessions.active", "{session}",
                "Sessions this gateway is advancing now", active_sessions)
+        self.commit_batch = meter.create_histogram(
+            "specmesh.store.commit_batch", unit="{commit}",
+            description="Session commits sent to Redis in one pipelined write",
+            explicit_bucket_boundaries_advisory=[1, 2, 4, 8, 16, 32, 64])
+
+        def switch_modes():
+            for kind, level, switch in switches():
+                yield float(switch.incumbent), {"drafter_kind": kind, "load_level": level}
+
+        def switch_rates():
+            for kind, level, switch in switches():
+                for drafting, rate in switch.rate.items():
+                    yield rate, {"drafter_kind": kind, "load_level": level,
+                                 "drafting": "true" if drafting else "false"}
+
+        _gauges(meter, "specmesh.load_switch.drafting", "1",
+                "Whether requests under load draft (1) or not (0), per drafter kind and load "
+                "level (requests in flight 2-3: 1, 4-7: 2, 8-15: 3, ...), between explorations",
+                switch_modes)
+        _gauges(meter, "specmesh.load_switch.rate", "{token}/s",
+                "Tokens per request-second the load switch measured with and without drafts",
+                switch_rates)
 
     def round(self, proposed: int, accepted: int, kept: int, seconds: float) -> None:
         # drafted "false": a round without drafts (the fallback, a lead round, target-only)

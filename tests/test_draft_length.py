@@ -246,3 +246,31 @@ def test_a_new_load_level_starts_where_the_nearest_one_is():
     seeded = switch.seeded()
     assert seeded.rate == switch.rate and seeded.mode(t) is True
     assert seeded._every == switch._every > switch.first_explore
+
+
+def test_the_switch_state_is_exported_per_kind_and_load_level():
+    """specmesh.load_switch.drafting: the mode kept between explorations (while one runs,
+    still the incumbent); specmesh.load_switch.rate: each measured mode's rate."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from services.metrics import GatewayMetrics
+
+    exploring = LoadSwitch(speculate=True, rate={True: 30.0, False: 20.0})
+    exploring._exploring = True  # plain is the incumbent; this epoch tries drafting
+    drafting = LoadSwitch(speculate=True, rate={True: 40.0})
+    switches = [("model", 3, exploring), ("ngram", 1, drafting)]
+    reader = InMemoryMetricReader()
+    GatewayMetrics(MeterProvider(metric_readers=[reader]).get_meter("t"), lambda: 0,
+                   lambda: switches)
+    points = {metric.name: {tuple(sorted(p.attributes.items())): p.value
+                            for p in metric.data.data_points}
+              for rm in reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for metric in sm.metrics}
+    assert points["specmesh.load_switch.drafting"] == {
+        (("drafter_kind", "model"), ("load_level", 3)): 0.0,
+        (("drafter_kind", "ngram"), ("load_level", 1)): 1.0}
+    assert points["specmesh.load_switch.rate"] == {
+        (("drafter_kind", "model"), ("drafting", "true"), ("load_level", 3)): 30.0,
+        (("drafter_kind", "model"), ("drafting", "false"), ("load_level", 3)): 20.0,
+        (("drafter_kind", "ngram"), ("drafting", "true"), ("load_level", 1)): 40.0}

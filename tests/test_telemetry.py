@@ -200,6 +200,10 @@ def test_metrics_move_exactly_as_the_usage_says(traced_mesh):
     assert delta("gateway", "specmesh_draft_tokens_proposed_total") == u.draft_tokens
     assert delta("gateway", "specmesh_draft_tokens_accepted_total") == u.accepted_draft_tokens
     assert delta("gateway", "specmesh_requests_total") == 1
+    # one commit per round (a new session's prompt is written when it is created), each
+    # alone in its pipeline (one request)
+    assert delta("gateway", "specmesh_store_commit_batch_sum") == u.rounds
+    assert delta("gateway", "specmesh_store_commit_batch_count") == u.rounds
     # The drafter also drafted the lead round's 4 tokens, verified in round two but for the
     # first (a guess of the verifier's token) when that guess held, none of them when not.
     drafted = delta("drafter", "specmesh_drafter_draft_tokens_total")
