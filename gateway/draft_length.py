@@ -139,6 +139,13 @@ class DraftLength:
             self.switches[(kind, level)] = switch
         return switch
 
+    def drafting_kept(self) -> bool:
+        """Whether a load switch at the current load level keeps drafting (between its
+        explorations): then cohorts of rounds without drafts must not merge
+        (gateway/step_batch.py)."""
+        level = load_level(round(self._load or self._inflight()))
+        return any(switch.incumbent for (_, at), switch in self.switches.items() if at == level)
+
     def _pays_alone(self, kind: str, req) -> bool | None:
         """Whether the gateway's k (the switch's drafting mode) paid for lone requests of
         ``kind`` at ``req``'s context length, by their measured round cycles and acceptance

@@ -86,6 +86,7 @@ class GenerationEngine:
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
         self.k = DraftLength(config, limits, drafters, lambda: self._inflight)
+        verifiers.merge_plain = lambda: not self.k.drafting_kept()
         self._inflight = 0
         self._background: set[asyncio.Task] = set()  # clean-ups still running
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -60,8 +61,9 @@ class Replica:
                 pass  # an older replica: unary calls from now on
         return await getattr(self.stub, method)(request, timeout=timeout)
 
-    def batch_steps(self, kind: str) -> None:
-        """Sends this replica's Draft or Verify calls a step at a time (gateway/step_batch.py)."""
+    def batch_steps(self, kind: str, merging: Callable[[], bool] = lambda: True) -> None:
+        """Sends this replica's Draft or Verify calls a step at a time (gateway/step_batch.py);
+        ``merging``: whether cohorts of Verify calls without drafts merge now."""
         method, rpc, wrap, reply = _BATCHED[kind]
 
         async def send_batch(requests, timeout: float):
@@ -70,13 +72,20 @@ class Replica:
             return batch.outcomes
 
         self.steps[method] = StepBatcher(
-            method, lambda request, timeout: self.send(method, request, timeout), send_batch)
+            method, lambda request, timeout: self.send(method, request, timeout), send_batch,
+            describe=_describe_verify if method == "Verify" else lambda request: ("", False),
+            merging=merging)
 
 
 _STREAMED = frozenset({"Draft", "Speculate", "Verify"})  # calls a replica's stream carries
 # kind -> (the method batched in steps, its batched RPC, how a call is wrapped, the request)
 _BATCHED = {"verifier": ("Verify", "VerifyBatch", wrap_verify, verifier_pb2.VerifyBatchRequest),
             "drafter": ("Draft", "DraftBatch", wrap_draft, drafter_pb2.DraftBatchRequest)}
+
+
+def _describe_verify(request) -> tuple[str, bool]:
+    """A Verify call's session, and whether it verifies no drafts (gateway/step_batch.py)."""
+    return request.cache.session_id, not request.draft_token_ids
 
 
 def _busy(replica: Replica) -> int:
@@ -102,6 +111,9 @@ class ReplicaPool:
         self._credentials = credentials  # None: plaintext; else TLS (mTLS with a client cert)
         self._streams = streams
         self._steps = steps
+        # whether cohorts of Verify calls without drafts merge (the engine sets it: while no
+        # load switch keeps drafting)
+        self.merge_plain: Callable[[], bool] = lambda: True
         self.replicas: dict[str, Replica] = {}
         self.update(frozenset(addresses))
 
@@ -120,7 +132,7 @@ class ReplicaPool:
             replica = Replica(address, channel, stub, stream=replica_stream(
                 self.kind, stub) if self._streams else None)
             if self._steps:
-                replica.batch_steps(self.kind)
+                replica.batch_steps(self.kind, lambda: self.merge_plain())
             self.replicas[address] = replica
             added.append(replica)
         for address in self.replicas.keys() - addresses:

@@ -75,14 +75,29 @@ class StepBatcher:
     made one after another as the event loop accounts for each session, with no I/O in
     between. So a step starts only once one turn of the loop has added no call (at most
     ``max_turns`` turns, microseconds each): the wave goes together instead of its first
-    call alone and the rest one step later."""
+    call alone and the rest one step later.
+
+    Calls that wait while a step is in flight form a second cohort, and cohorts that take
+    turns are what a drafting mesh wants (one verifies while the other drafts). Calls without
+    drafts gain nothing from taking turns: the verifier would run two passes that cost nearly
+    what one over both cohorts does. So when the step that just returned held only such
+    calls (``describe`` says which: a request's session and whether it is one), and the calls
+    waiting are such calls too, the next step also waits for the returned step's sessions to
+    call again (at most ``merge_s``; a session that ended never does): the cohorts merge. Only
+    while ``merging()`` says so: a plain epoch that only explores (drafting is the mode the
+    gateway keeps, gateway/load_switch.py) must not leave the drafting epochs one cohort."""
 
     def __init__(self, name: str, send_one: SendOne, send_batch: SendBatch,
-                 tracer: trace.Tracer | None = None, max_turns: int = 16) -> None:
+                 tracer: trace.Tracer | None = None, max_turns: int = 16,
+                 describe: Callable[[object], tuple[str, bool]] = lambda request: ("", False),
+                 merging: Callable[[], bool] = lambda: True, merge_s: float = 0.01) -> None:
         self.name = name
         self._send_one, self._send_batch = send_one, send_batch
         self._tracer = tracer or trace.get_tracer("specmesh")
         self._max_turns = max_turns
+        self._describe, self._merging, self._merge_s = describe, merging, merge_s
+        self._expected: set[str] = set()  # sessions of the last step, which had no drafts
+        self._arrived = asyncio.Event()  # set by every call
         self._queue: list[_Waiting] = []
         self._step: asyncio.Task | None = None  # the step being gathered or in flight
         self.batched = True  # False once the replica said it has no batched RPC
@@ -96,6 +111,8 @@ class StepBatcher:
         waiting = _Waiting(request, loop.create_future(), loop.time() + timeout,
                            contextvars.copy_context())
         self._queue.append(waiting)
+        self._expected.discard(self._describe(request)[0])
+        self._arrived.set()
         if self._step is None:
             self._start()
         try:
@@ -117,8 +134,13 @@ class StepBatcher:
     async def _run(self) -> None:
         try:
             await gather_wave(lambda: len(self._queue), self._max_turns)
+            if (self._expected and all(self._describe(w.request)[1] for w in self._queue)
+                    and self._merging()):
+                await self._merge()
             batch = [w for w in self._queue if not w.future.done()]
             self._queue.clear()
+            described = [self._describe(w.request) for w in batch]
+            self._expected = set()
             if batch:
                 self.steps += 1
                 self.calls += len(batch)
@@ -129,10 +151,26 @@ class StepBatcher:
                     await asyncio.gather(*(self._alone(w, timeout) for w in batch))
                 else:
                     await self._together(batch, timeout)
+                if all(plain for _, plain in described):  # (less those that called already)
+                    self._expected = ({session for session, _ in described}
+                                      - {self._describe(w.request)[0] for w in self._queue})
         finally:
             self._step = None
             if self._queue:  # the calls made while this step was in flight
                 self._start()
+
+    async def _merge(self) -> None:
+        """Waits (at most ``merge_s``) until the sessions of the step that returned have
+        called again, then for the rest of their wave."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self._merge_s
+        while self._expected and (left := end - loop.time()) > 0:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                break
+        await gather_wave(lambda: len(self._queue), self._max_turns)
 
     async def _alone(self, w: _Waiting, timeout: float) -> None:
         """Sends one call on its own path, in its caller's context (its trace)."""

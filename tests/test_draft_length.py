@@ -274,3 +274,19 @@ def test_the_switch_state_is_exported_per_kind_and_load_level():
         (("drafter_kind", "model"), ("drafting", "true"), ("load_level", 3)): 30.0,
         (("drafter_kind", "model"), ("drafting", "false"), ("load_level", 3)): 20.0,
         (("drafter_kind", "ngram"), ("drafting", "true"), ("load_level", 1)): 40.0}
+
+
+def test_cohorts_merge_only_while_no_switch_at_the_load_keeps_drafting():
+    """DraftLength.drafting_kept, read by the verifiers' step batchers: a switch at the
+    current load level whose kept mode drafts (even while it explores without) stops
+    cohorts without drafts from merging; one that keeps not drafting, or another load
+    level's, does not."""
+    dl = _draft_length(lambda: 8)
+    assert not dl.drafting_kept()  # no switch: target-only traffic merges
+    exploring_plain = LoadSwitch(speculate=False, rate={True: 30.0, False: 20.0})
+    exploring_plain._exploring = True
+    dl.switches[("model", 2)] = LoadSwitch(speculate=True)  # another level's
+    dl.switches[("model", 3)] = LoadSwitch(speculate=False, rate={True: 20.0, False: 30.0})
+    assert not dl.drafting_kept()
+    dl.switches[("model", 3)] = exploring_plain
+    assert dl.drafting_kept()

@@ -176,3 +176,60 @@ def test_a_cancelled_caller_leaves_the_others_their_answers():
         assert r.num_accepted == 9
 
     asyncio.run(main())
+
+
+def _cohorts(offset: int) -> list[list[int]]:
+    """Sessions 0-3 run 3 rounds, sessions 4-5 join while the first step is in flight; each
+    session calls again 2 ms after its answer. Call n = 10 * round + session + ``offset``
+    (100: a call with drafts). The steps the replica saw, as sorted call lists."""
+
+    async def main():
+        replica = _Replica(delay=0.03)
+        b = StepBatcher("Verify", replica.one, replica.batch,
+                        describe=lambda n: (f"s{n % 10}", n < 100))
+
+        async def session(i: int, rounds: int) -> None:
+            for r in range(rounds):
+                await b.call(10 * r + i + offset, 5.0)
+                await asyncio.sleep(0.002)  # the gateway's accounting of the round
+
+        async def late(i: int) -> None:
+            await asyncio.sleep(0.01)  # while the first step is in flight
+            await session(i, 3)
+
+        await asyncio.gather(*(session(i, 3) for i in range(4)), late(4), late(5))
+        return [sorted(n - offset for n in calls) for _, calls in replica.steps]
+
+    return asyncio.run(main())
+
+
+def test_cohorts_without_drafts_merge_and_cohorts_with_drafts_take_turns():
+    """Two cohorts of calls without drafts would take turns, two passes for what one pass over
+    both costs about as much as: the waiting one waits for the other's sessions to call
+    again, and from then on every step holds every session. Cohorts with drafts keep taking
+    turns (one verifies while the other drafts)."""
+    assert _cohorts(0) == [[0, 1, 2, 3], [4, 5, 10, 11, 12, 13], [14, 15, 20, 21, 22, 23],
+                           [24, 25]]
+    assert _cohorts(100) == [[0, 1, 2, 3], [4, 5], [10, 11, 12, 13], [14, 15],
+                             [20, 21, 22, 23], [24, 25]]
+
+
+def test_cohorts_without_drafts_keep_taking_turns_while_drafting_is_the_kept_mode():
+    """merging() False (a load switch keeps drafting and only explores without drafts): the
+    cohorts stay as they are, ready for the drafting epochs."""
+
+    async def main():
+        replica = _Replica(delay=0.03)
+        b = StepBatcher("Verify", replica.one, replica.batch,
+                        describe=lambda n: (f"s{n % 10}", True), merging=lambda: False)
+
+        async def session(i: int, start: float) -> None:
+            await asyncio.sleep(start)
+            for r in range(2):
+                await b.call(10 * r + i, 5.0)
+                await asyncio.sleep(0.002)
+
+        await asyncio.gather(session(0, 0.0), session(1, 0.0), session(2, 0.01))
+        return [sorted(calls) for _, calls in replica.steps]
+
+    assert asyncio.run(main()) == [[0, 1], [2], [10, 11], [12]]
