@@ -16,14 +16,6 @@ from services.session_store import SessionHandle, SessionStore
 from tests.conftest import start_redis
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("commits-redis"))
-    yield url
-    proc.terminate()
-    proc.wait(10)
-
-
 class GatedStore(SessionStore):
     """The real store, whose pipelines wait for ``gate`` (so a test decides when one that
     is in flight returns) and are recorded (how many commits each carried)."""
@@ -72,7 +64,7 @@ async def advance(batcher: CommitBatcher, h: SessionHandle, tokens: list[int],
     await batcher.commit(h, tokens, "me")
 
 
-def test_commits_of_one_wave_go_as_one_pipeline(redis_server):
+def test_commits_of_one_wave_go_as_one_pipeline(redis_url):
     async def body(store, batcher):
         handles = await sessions(store, 8)
         await asyncio.gather(*(advance(batcher, h, [10 + i], after_turns=i)
@@ -80,14 +72,14 @@ def test_commits_of_one_wave_go_as_one_pipeline(redis_server):
         loaded = [await store.load(h.session_id) for h in handles]
         return store.sizes, handles, loaded
 
-    sizes, handles, loaded = run(redis_server, body)
+    sizes, handles, loaded = run(redis_url, body)
     assert sizes == [8]
     for i, (h, stored) in enumerate(zip(handles, loaded, strict=True)):
         assert h.version == 2 and stored.version == 2
         assert stored.tokens == [1, 2, 10 + i]
 
 
-def test_commits_made_while_a_pipeline_is_in_flight_go_together_in_the_next(redis_server):
+def test_commits_made_while_a_pipeline_is_in_flight_go_together_in_the_next(redis_url):
     async def body(store, batcher):
         handles = await sessions(store, 7)
         store.gate.clear()
@@ -102,13 +94,13 @@ def test_commits_made_while_a_pipeline_is_in_flight_go_together_in_the_next(redi
         await asyncio.gather(*first, *later)
         return in_flight, store.sizes, [await store.load(h.session_id) for h in handles]
 
-    in_flight, sizes, loaded = run(redis_server, body)
+    in_flight, sizes, loaded = run(redis_url, body)
     assert in_flight == [4], "a second pipeline must not start while one is in flight"
     assert sizes == [4, 3]
     assert [s.tokens[-1] for s in loaded] == [5, 5, 5, 5, 6, 6, 6]
 
 
-def test_each_caller_gets_its_own_outcome(redis_server):
+def test_each_caller_gets_its_own_outcome(redis_url):
     async def body(store, batcher):
         good, stale = await sessions(store, 2)
         ahead = await store.load(stale.session_id)
@@ -118,13 +110,13 @@ def test_each_caller_gets_its_own_outcome(redis_server):
                                        return_exceptions=True)
         return store.sizes, results, good, stale
 
-    sizes, results, good, stale = run(redis_server, body)
+    sizes, results, good, stale = run(redis_url, body)
     assert sizes == [1, 2]  # the direct commit above, then the wave of two
     assert results[0] is None and good.version == 2
     assert isinstance(results[1], Busy) and stale.version == 1
 
 
-def test_a_caller_that_went_away_still_has_its_commit_applied(redis_server):
+def test_a_caller_that_went_away_still_has_its_commit_applied(redis_url):
     """A request cancelled while its commit is in flight: the commit is applied anyway
     (repeating it would be safe too) and its handle's version follows Redis's."""
 
@@ -144,7 +136,7 @@ def test_a_caller_that_went_away_still_has_its_commit_applied(redis_server):
             await asyncio.sleep(0)
         return gone, await store.load(gone.session_id)
 
-    gone, stored = run(redis_server, body)
+    gone, stored = run(redis_url, body)
     assert stored.tokens == [1, 2, 7] and stored.version == 2 and gone.version == 2
 
 
