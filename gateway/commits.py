@@ -41,9 +41,6 @@ class CommitBatcher:
         self._max_turns = max_turns
         self._queue: list[_Queued] = []
         self._flush: asyncio.Task | None = None  # the pipeline being gathered or in flight
-        self.pipelines = 0  # pipelines sent
-        self.commits = 0  # commits sent in them
-        self.largest = 0  # most commits in one pipeline
 
     async def commit(self, h: SessionHandle, appended: list[int], owner: str) -> None:
         """``SessionStore.commit`` of h, sent with the other commits of its wave."""
@@ -64,9 +61,6 @@ class CommitBatcher:
             # A caller that went away still has its commit sent: its handle stays in step
             # with Redis (the version), and a repeated commit is safe anyway.
             batch, self._queue = self._queue, []
-            self.pipelines += 1
-            self.commits += len(batch)
-            self.largest = max(self.largest, len(batch))
             self._on_pipeline(len(batch))
             errors = await self.store.commit_many([q.commit for q in batch])
             for q, error in zip(batch, errors, strict=True):

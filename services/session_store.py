@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.errors import Busy, NotFound, Unavailable
@@ -246,15 +246,15 @@ class SessionStore:
         return [_settle(c.handle, result) for c, result in zip(commits, results, strict=True)]
 
     async def _evalsha_all(self, commits: Sequence[Commit]) -> list:
-        """Each commit's script result or its ResponseError; all Unavailable when Redis is
-        unreachable."""
+        """Each commit's script result or its ResponseError (``_settle`` maps them all); all
+        Unavailable when Redis is unreachable."""
         try:
             async with redis_errors():
                 if len(commits) == 1:  # (a pipeline of one costs ~10% more CPU)
                     c = commits[0]
                     try:
                         return [await self._r.evalsha(_COMMIT_SHA, len(c.keys), *c.keys, *c.args)]
-                    except NoScriptError as exc:
+                    except ResponseError as exc:  # as a pipeline returns it (NOSCRIPT included)
                         return [exc]
                 async with self._r.pipeline(transaction=False) as pipe:
                     for c in commits:
