@@ -46,6 +46,8 @@ class _Waiting:
     future: asyncio.Future
     deadline: float  # the loop's clock
     context: contextvars.Context  # the caller's: a call sent alone runs in it (its span's child)
+    session: str = ""  # its session, and whether it verifies no drafts (StepBatcher's describe)
+    plain: bool = False
 
 
 def _link(w: _Waiting) -> trace.Link | None:
@@ -109,9 +111,9 @@ class StepBatcher:
         """The response to ``request``; raises AioRpcError as a unary call would."""
         loop = asyncio.get_running_loop()
         waiting = _Waiting(request, loop.create_future(), loop.time() + timeout,
-                           contextvars.copy_context())
+                           contextvars.copy_context(), *self._describe(request))
         self._queue.append(waiting)
-        self._expected.discard(self._describe(request)[0])
+        self._expected.discard(waiting.session)
         self._arrived.set()
         if self._step is None:
             self._start()
@@ -134,12 +136,10 @@ class StepBatcher:
     async def _run(self) -> None:
         try:
             await gather_wave(lambda: len(self._queue), self._max_turns)
-            if (self._expected and all(self._describe(w.request)[1] for w in self._queue)
-                    and self._merging()):
+            if self._expected and all(w.plain for w in self._queue) and self._merging():
                 await self._merge()
             batch = [w for w in self._queue if not w.future.done()]
             self._queue.clear()
-            described = [self._describe(w.request) for w in batch]
             self._expected = set()
             if batch:
                 self.steps += 1
@@ -151,9 +151,9 @@ class StepBatcher:
                     await asyncio.gather(*(self._alone(w, timeout) for w in batch))
                 else:
                     await self._together(batch, timeout)
-                if all(plain for _, plain in described):  # (less those that called already)
-                    self._expected = ({session for session, _ in described}
-                                      - {self._describe(w.request)[0] for w in self._queue})
+                if all(w.plain for w in batch):  # (less those that called again already)
+                    self._expected = ({w.session for w in batch}
+                                      - {w.session for w in self._queue})
         finally:
             self._step = None
             if self._queue:  # the calls made while this step was in flight
