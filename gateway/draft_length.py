@@ -125,7 +125,7 @@ class DraftLength:
         flip 8 streams between the levels of 4-7 and 8-15 at every boundary, handing a few
         rounds to a switch whose epochs never complete); a new level's starts from the
         nearest level's, the first one from what lone requests measured (``_pays_alone``)."""
-        level = load_level(round(self._load or self._inflight()))
+        level = self._level()
         switch = self.switches.get((kind, level))
         if switch is None:
             near = min((key for key in self.switches if key[0] == kind),
@@ -143,8 +143,12 @@ class DraftLength:
         """Whether a load switch at the current load level keeps drafting (between its
         explorations): then cohorts of rounds without drafts must not merge
         (gateway/step_batch.py)."""
-        level = load_level(round(self._load or self._inflight()))
+        level = self._level()
         return any(switch.incumbent for (_, at), switch in self.switches.items() if at == level)
+
+    def _level(self) -> int:
+        """The load level of the requests in flight averaged over the last rounds."""
+        return load_level(round(self._load or self._inflight()))
 
     def _pays_alone(self, kind: str, req) -> bool | None:
         """Whether the gateway's k (the switch's drafting mode) paid for lone requests of
