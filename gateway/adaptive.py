@@ -179,12 +179,20 @@ class AdaptiveK:
     prior_alpha: float = 0.6  # before anything was drafted with this kind
     prior_rounds: float = 4.0  # how many rounds' worth the gateway-wide α counts as
     decay: float = 0.9
-    probe_every: int = 8  # while k = 0 wins, draft 1 token (``only``: that k) after this
-    #                       many rounds, then after twice, 4 and 8 times as many while k = 0
-    #                       keeps winning (a probe that does not pay costs a round's worth);
+    probe_every: int = 8  # while k = 0 wins, draft 1 token (``only``: that k) for
+    #                       ``probe_rounds`` rounds after this many rounds, then after
+    #                       twice, 4 and 8 times as many while k = 0 keeps winning (a probe
+    #                       that does not pay costs a few rounds' worth);
     #                       while k > 0 wins, try k − 1, k + 1, k − 1 and k = 0 in turn every
     #                       this many rounds
     max_backoff: int = 3
+    probe_rounds: int = 3  # a probe from k = 0 drafts this many rounds in a row: the first
+    #                        pays the drafter's catch-up on the undrafted rounds and is not
+    #                        measured (gateway/draft_length.py counts only warm rounds), the
+    #                        next ones measure what drafting costs, pipelining included. A
+    #                        lone probe round was never measured, so one slow drafting cycle
+    #                        seen early (a busy machine) kept k = 0 winning for good.
+    _burst: int = 0  # rounds of the current probe still to draft
     _since_draft: int = 0
     _backoff: int = 0
     _rounds: int = 0
@@ -207,11 +215,16 @@ class AdaptiveK:
             k = 0  # measure a plain verify first
         elif not self.costs.known:
             k = self.only or self.k_max  # then a full draft
+        elif self._burst:
+            self._burst -= 1
+            k = self.only or 1
         else:
             k = best_k(self.alpha, self.costs, self.k_max, self.only)
             if k == 0:
                 if self._since_draft + 1 >= self.probe_every << self._backoff:
-                    k = self.only or 1  # keep α fresh: acceptance may have changed
+                    # keep α and the drafting cycle fresh: acceptance and costs may have changed
+                    k = self.only or 1
+                    self._burst = self.probe_rounds - 1
                     self._backoff = min(self.max_backoff, self._backoff + 1)
             else:
                 self._backoff = 0
