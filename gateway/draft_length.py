@@ -51,6 +51,7 @@ class DraftLength:
         # per drafter kind, load level and context level
         self.costs: dict[tuple[str, int, int], CostModel] = {}
         self.acceptance: dict[str, AcceptanceCounts] = {}  # per drafter kind
+        self._may_draft = 0  # requests in flight that may draft (``running``/``ended``)
 
     def kind(self, spec) -> str:
         """The request's drafter kind, else the default, else whichever kind there is."""
@@ -60,11 +61,25 @@ class DraftLength:
         kind = self.config.default_drafter_kind
         return kind if kind in kinds or not kinds else sorted(kinds)[0]
 
+    def may_draft(self, spec) -> bool:
+        """Whether a request of ``spec`` may draft at all (it speculates, drafters exist)."""
+        return spec.speculate and len(self.drafters) > 0
+
+    def running(self, spec) -> bool:
+        """Counts a request from its start to ``ended(running(spec))``; returns whether it
+        may draft."""
+        may = self.may_draft(spec)
+        self._may_draft += may
+        return may
+
+    def ended(self, may_draft: bool) -> None:
+        self._may_draft -= may_draft
+
     def choose(self, req, kind: str) -> int:
         """The request's k, else the gateway's (or none while its drafts do not pay: the
         fallback), else the adaptive choice; capped by the remaining budget and context."""
         spec = req.spec
-        if not spec.speculate or len(self.drafters) == 0:
+        if not self.may_draft(spec):
             return 0
         k = spec.num_draft_tokens or self.config.num_draft_tokens
         seeded = spec.seed is not None and not spec.params.greedy
@@ -145,6 +160,13 @@ class DraftLength:
         (gateway/step_batch.py)."""
         level = self._level()
         return any(switch.incumbent for (_, at), switch in self.switches.items() if at == level)
+
+    def merge_plain(self) -> bool:
+        """Whether cohorts of rounds without drafts may merge (gateway/step_batch.py): not
+        while requests that may draft are in flight and the load switch keeps drafting
+        (cohorts that take turns are what drafting wants); always when no request in flight
+        may draft (target-only traffic, whatever a switch learned from earlier requests)."""
+        return not (self._may_draft and self.drafting_kept())
 
     def _level(self) -> int:
         """The load level of the requests in flight averaged over the last rounds."""

@@ -86,7 +86,7 @@ class GenerationEngine:
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
         self.k = DraftLength(config, limits, drafters, lambda: self._inflight)
-        verifiers.merge_plain = lambda: not self.k.drafting_kept()
+        verifiers.merge_plain = self.k.merge_plain
         self._inflight = 0
         self._background: set[asyncio.Task] = set()  # clean-ups still running
 
@@ -102,8 +102,10 @@ class GenerationEngine:
                              "requests: retry later")
         self._inflight += 1
         self.metrics.active.add(1)
+        drafting = None
         try:
             req = await self._start(spec, deadline, tenant)
+            drafting = self.k.running(spec)
             span = self.telemetry.generate_span(req)
             completed = False
             try:
@@ -124,6 +126,8 @@ class GenerationEngine:
                         await self._free_caches(req.handle)
         finally:
             self._inflight -= 1
+            if drafting is not None:
+                self.k.ended(drafting)
             self.metrics.active.add(-1)
 
     async def _tokenize(self, spec: GenerationSpec, continuing: bool) -> list[int]:
