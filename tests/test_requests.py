@@ -4,6 +4,8 @@ for the same field, each naming it in its own API's words. In process: pure logi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gateway.http.schemas import CHAT, COMPLETIONS
@@ -144,6 +146,11 @@ def test_a_resume_keeps_the_turns_settings_and_rejects_a_different_one():
     original = validate(RequestFields(prompt="x", temperature=0.7, top_k=5, seed=3,
                                       max_new_tokens=40, stop=("\n",)), CONFIG, GRPC, VOCAB)
     turn = TurnRecord.begin(original, start=10, prompt_tokens=10, seed=3)
+    # the record survives its trip through Redis (JSON) field for field
+    turn.rounds, turn.finish = 4, "LENGTH"
+    stored = json.loads(json.dumps(turn.to_dict()))
+    assert stored["stop"] == ["\n"] and stored["temperature"] == 0.7 and stored["rounds"] == 4
+    assert TurnRecord.from_dict(stored) == turn
     # a resume that gives no setting continues with the turn's own
     spec = resumed_spec(validate(RequestFields(session_id="s", resume_from=12), CONFIG, GRPC,
                                  VOCAB), turn)
