@@ -73,6 +73,7 @@ class DraftLength:
         return may
 
     def ended(self, may_draft: bool) -> None:
+        """A request counted by ``running`` ended (``may_draft``: what ``running`` returned)."""
         self._may_draft -= may_draft
 
     def choose(self, req, kind: str) -> int:

@@ -102,10 +102,10 @@ class GenerationEngine:
                              "requests: retry later")
         self._inflight += 1
         self.metrics.active.add(1)
-        drafting = None
+        may_draft = None
         try:
             req = await self._start(spec, deadline, tenant)
-            drafting = self.k.running(spec)
+            may_draft = self.k.running(spec)
             span = self.telemetry.generate_span(req)
             completed = False
             try:
@@ -126,8 +126,8 @@ class GenerationEngine:
                         await self._free_caches(req.handle)
         finally:
             self._inflight -= 1
-            if drafting is not None:
-                self.k.ended(drafting)
+            if may_draft is not None:
+                self.k.ended(may_draft)
             self.metrics.active.add(-1)
 
     async def _tokenize(self, spec: GenerationSpec, continuing: bool) -> list[int]:

@@ -12,7 +12,8 @@ weights in the same order:
     per layer:  h = rms(x) ; q, k, v = split(h @ Wqkv)           # q/k/v projections fused
                 q, k = rope(q, k, position_ids)                  # HF's own rotary module
                 k, v = cache.update(k, v, layer)                 # [B, KV, P+m, D]
-                x = x + sdpa(q, k, v, mask, gqa) @ Wo
+                x = x + sdpa(q, k, v, mask) @ Wo                 # G query heads as rows
+                                                                 # of their key head
                 h = rms(x) ; g, u = split(h @ Wgu)               # gate/up fused
                 x = x + (silu(g) * u) @ Wdown
     logits = rms(x[:, -keep:]) @ Wlm
