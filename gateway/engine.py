@@ -280,7 +280,7 @@ class GenerationEngine:
         held: Chunk | None = None
         try:
             while True:
-                if finish is None and len(h.tokens) < self.limits.max_context:
+                if running is None and finish is None and len(h.tokens) < self.limits.max_context:
                     running = asyncio.ensure_future(self._round(req, kind, span))
                 if saving is not None:
                     await saving
@@ -309,6 +309,11 @@ class GenerationEngine:
                 held = Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
                              usage=req.usage if finish else None,
                              offset=len(h.tokens) - len(kept), logprobs=r.logprobs[:len(kept)])
+                if finish is None and len(h.tokens) < self.limits.max_context:
+                    # the next round before the save: its verify call is on every session's
+                    # critical path, the commit only on this chunk's (the step batcher then
+                    # sends the step before the commit batcher packs its pipeline)
+                    running = asyncio.ensure_future(self._round(req, kind, span))
                 saving = asyncio.ensure_future(self._save(req, len(kept),
                                                           final=finish is not None))
         finally:
