@@ -32,7 +32,7 @@ import typer
 
 from specmesh import bench_baselines, bench_report
 from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, model_info
-from specmesh.bench_machine import count_params, machine_info
+from specmesh.bench_machine import count_params, machine_info, wait_quiet
 from specmesh.bench_modes import HF_KEYS, MODE_KEYS, TARGET_KEY, Mode, hf_threads, make_modes
 from specmesh.bench_peers import Peer, parse_peers, run_peer_level, served_model
 from specmesh.bench_workers import run_workers
@@ -118,8 +118,8 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
               peers: list[tuple[Peer, str]] = ()) -> dict:
     """Every (mode, concurrency) cell, concurrency by concurrency (so the rows compared with
     each other run close together in time): the gateway's modes, then each peer (``peers``:
-    (peer, its model)), in that order on even levels and reversed on odd ones; the HF rows
-    after the first level's. ``progress(label, total)`` returns an advance()."""
+    (peer, its model)), in that order on even levels and reversed on odd ones, each once the
+    CPUs are quiet; the HF rows after the first level's. ``progress(label, total)`` returns an advance()."""
     texts = [p["prompt"] for p in prompts]
     rows: list[dict] = []
     outputs: dict[tuple[str, int], list[dict]] = {}
@@ -133,8 +133,10 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     for level, c in enumerate(opts.concurrency):
         cells = [*gateway_modes, *peers]
         for cell in cells if level % 2 == 0 else cells[::-1]:
+            settle_s = wait_quiet()  # (the previous cell's engine may still be spinning)
             if isinstance(cell, tuple):
-                rows.append(_peer_row(*cell, texts, c, opts, progress, outputs))
+                rows.append({**_peer_row(*cell, texts, c, opts, progress, outputs),
+                             "settle_s": settle_s})
                 continue
             mode = cell
             advance = progress(f"{mode.label} @ {c}", max(len(texts), c))
@@ -146,7 +148,8 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
                      if mode.k and not mode.disable else None)
             rows.append({"mode": mode.key, "label": mode.label, "concurrency": c,
                          **bench_report.summarize(records, wall), "alpha": alpha,
-                         **gateway_figures(services.get("gateway")), "services": services})
+                         **gateway_figures(services.get("gateway")), "services": services,
+                         "settle_s": settle_s})
         if level == 0 and hf_modes and hf_pair is not None:
             rows += run_hf_rows(hf_pair, hf_modes, texts, opts, progress, outputs)
     base = bench_baselines.compare(rows, outputs)

@@ -1,5 +1,6 @@
 """What `specmesh bench` records about the machine and the models: CPU, cores, versions, the
-commit, the load average, and the parameter count of a local model directory."""
+commit, the load average, and the parameter count of a local model directory; and
+``wait_quiet``, which lets the CPUs settle between cells."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import os
 import platform
 import subprocess
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -48,3 +50,19 @@ def machine_info() -> dict:
             "transformers": transformers.__version__, "grpcio": grpc.__version__,
             "commit": commit, "load_average_start": list(os.getloadavg()),
             "date": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def wait_quiet(max_s: float = 5.0, busy_cores: float = 0.3, sample_s: float = 0.2) -> float:
+    """Waits until the machine's CPUs are quiet: less than ``busy_cores`` cores' worth of
+    CPU busy over a ``sample_s`` sample, for at most ``max_s``; returns the seconds waited.
+    Between bench cells: an engine that just served a cell can keep a core busy after its
+    last answer (vLLM for CPU spun one of two cores for about a second), which the next cell
+    would pay for."""
+    import psutil
+
+    limit = 100.0 * busy_cores / (os.cpu_count() or 1)  # cpu_percent: all cores = 100
+    start = time.monotonic()
+    while psutil.cpu_percent(interval=sample_s) >= limit:
+        if time.monotonic() - start >= max_s:
+            break
+    return time.monotonic() - start

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -19,6 +22,7 @@ from specmesh.bench_costs import (
     ratio,
     speedup_bound,
 )
+from specmesh.bench_machine import wait_quiet
 from specmesh.bench_prompts import PROMPTS_PATH, first_prompt, load_prompts, make_prompt_set
 from specmesh.bench_report import per_token_alpha, summarize
 from specmesh.cli import app
@@ -130,6 +134,31 @@ def test_parse_gateway_metrics():
     m = parse_gateway_metrics(text)
     assert (m["fanout_sum"], m["fanout_count"]) == (10.0, 4.0)
     assert (m["gateway_s"], m["gateway_count"]) == (0.02, 40.0)
+
+
+def test_cells_wait_for_the_cpus_to_settle():
+    """Between cells the bench waits until the CPUs are quiet (an engine that just served a
+    cell may spin on: vLLM for CPU kept a core busy for about a second): with a process busy
+    on one core for 1.5 s, wait_quiet returns only once it has ended; with it gone, at once;
+    and never later than its bound."""
+    launched = time.monotonic()
+    hog = subprocess.Popen([sys.executable, "-c",
+                            "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    try:
+        time.sleep(0.3)  # (the interpreter has started and spins)
+        waited = wait_quiet(max_s=20.0, busy_cores=0.5)
+        assert time.monotonic() - launched >= 1.4, "returned while a core was still busy"
+        assert waited < 10.0
+    finally:
+        hog.kill()
+        hog.wait()
+    assert wait_quiet(max_s=20.0, busy_cores=0.5) < 2.0
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert 1.0 <= wait_quiet(max_s=1.0, busy_cores=0.5) < 2.0  # gives up at the bound
+    finally:
+        hog.kill()
+        hog.wait()
 
 
 def test_summarize_by_hand():
