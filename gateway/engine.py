@@ -279,9 +279,9 @@ class GenerationEngine:
         saving: asyncio.Future | None = None
         held: Chunk | None = None
         try:
+            if len(h.tokens) < self.limits.max_context:
+                running = asyncio.ensure_future(self._round(req, kind, span))
             while True:
-                if running is None and finish is None and len(h.tokens) < self.limits.max_context:
-                    running = asyncio.ensure_future(self._round(req, kind, span))
                 if saving is not None:
                     await saving
                     saving = None
