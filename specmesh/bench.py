@@ -119,7 +119,8 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     """Every (mode, concurrency) cell, concurrency by concurrency (so the rows compared with
     each other run close together in time): the gateway's modes, then each peer (``peers``:
     (peer, its model)), in that order on even levels and reversed on odd ones, each once the
-    CPUs are quiet; the HF rows after the first level's. ``progress(label, total)`` returns an advance()."""
+    CPUs are quiet; the HF rows after the first level's. ``progress(label, total)`` returns
+    an advance()."""
     texts = [p["prompt"] for p in prompts]
     rows: list[dict] = []
     outputs: dict[tuple[str, int], list[dict]] = {}

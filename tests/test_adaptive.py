@@ -194,8 +194,8 @@ def test_a_stale_slow_drafting_cycle_is_measured_again(only):
     against 11 without drafts and 11-13 in steady state) made k = 0 win; each probe that
     followed was one drafting round, which pays the drafter's catch-up and so is never
     measured, and k = 0 won for the rest of the run (1.05 tokens a round instead of 2.9,
-    at a per-token acceptance of 0.66). A
-    probe drafts for several rounds in a row, so that the later ones are measured."""
+    at a per-token acceptance of 0.66). A probe drafts for several rounds in a row, so that
+    the later ones are measured."""
     model = costs(draft=1.0, base=9.0, per_draft=0.3, rtt=1.0)
     for _ in range(5):
         model.observe_cycle(0, 11.0)
