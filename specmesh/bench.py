@@ -32,7 +32,7 @@ import typer
 
 from specmesh import bench_baselines, bench_report
 from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, model_info
-from specmesh.bench_machine import count_params, machine_info, wait_quiet
+from specmesh.bench_machine import ProcessCpu, count_params, machine_info, wait_quiet
 from specmesh.bench_modes import HF_KEYS, MODE_KEYS, TARGET_KEY, Mode, hf_threads, make_modes
 from specmesh.bench_peers import Peer, parse_peers, run_peer_level, served_model
 from specmesh.bench_workers import run_workers
@@ -115,12 +115,13 @@ def _ready_client(address: str):
 
 def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchOptions,
               probe: ServiceProbe, hf_pair: tuple[str, str] | None, progress,
-              peers: list[tuple[Peer, str]] = ()) -> dict:
+              peers: list[tuple[Peer, str]] = (), cpu: ProcessCpu | None = None) -> dict:
     """Every (mode, concurrency) cell, concurrency by concurrency (so the rows compared with
     each other run close together in time): the gateway's modes, then each peer (``peers``:
     (peer, its model)), in that order on even levels and reversed on odd ones, each once the
     CPUs are quiet; the HF rows after the first level's. ``progress(label, total)`` returns
-    an advance()."""
+    an advance(). ``cpu``: the mesh's processes (a local mesh), for each gateway cell's CPU
+    seconds and CPU milliseconds per generated token (None with ``--addr``)."""
     texts = [p["prompt"] for p in prompts]
     rows: list[dict] = []
     outputs: dict[tuple[str, int], list[dict]] = {}
@@ -142,13 +143,17 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
             mode = cell
             advance = progress(f"{mode.label} @ {c}", max(len(texts), c))
             before = probe.snapshot()
+            cpu_before = cpu.seconds() if cpu else None
             records, wall = run_level(address, mode, texts, c, opts, advance)
+            cpu_s = cpu.seconds() - cpu_before if cpu else None
             services = probe.delta(before, probe.snapshot())
             outputs[(mode.key, c)] = records
             alpha = (bench_report.per_token_alpha(records, mode.k, opts.max_new_tokens)
                      if mode.k and not mode.disable else None)
+            summary = bench_report.summarize(records, wall)
             rows.append({"mode": mode.key, "label": mode.label, "concurrency": c,
-                         **bench_report.summarize(records, wall), "alpha": alpha,
+                         **summary, "alpha": alpha,
+                         **bench_report.cpu_figures(cpu_s, summary["tokens"]),
                          **gateway_figures(services.get("gateway")), "services": services,
                          "settle_s": settle_s})
         if level == 0 and hf_modes and hf_pair is not None:
@@ -167,12 +172,16 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
 def _peer_row(peer: Peer, model: str, texts: list[str], c: int, opts: BenchOptions, progress,
               outputs: dict) -> dict:
     advance = progress(f"{peer.name} @ {c}", max(len(texts), c))
+    cpu = ProcessCpu.serving(peer.url)  # found per cell: a peer may be restarted in between
+    cpu_before = cpu.seconds() if cpu else None
     records, wall = run_peer_level(peer, model, texts, c, opts.max_new_tokens, opts.timeout_s,
                                    advance)
+    cpu_s = cpu.seconds() - cpu_before if cpu else None
     outputs[(peer.key, c)] = records
+    summary = bench_report.summarize(records, wall)
     return {"mode": peer.key, "label": f"{peer.name} ({peer.url}, {model})", "concurrency": c,
-            **bench_report.summarize(records, wall), "alpha": None, **gateway_figures(None),
-            "services": None}
+            **summary, "alpha": None, **bench_report.cpu_figures(cpu_s, summary["tokens"]),
+            **gateway_figures(None), "services": None}
 
 
 def run_hf_rows(pair: tuple[str, str], modes: list[Mode], texts: list[str], opts: BenchOptions,
@@ -328,6 +337,7 @@ def bench(
                                   remote=bool(addr))
     address = addr or "local mesh"  # as the report names it
     with command_mesh(err) as start_mesh:
+        cpu = None
         if addr:
             probe = ServiceProbe(_split(verifiers), _split(drafters), metrics_url)
         else:
@@ -341,6 +351,7 @@ def bench(
             addr = mesh.gateway_address
             probe = ServiceProbe(mesh.verifier_addresses, mesh.drafter_addresses,
                                  f"http://127.0.0.1:{metrics_port}/metrics")
+            cpu = ProcessCpu([p.popen.pid for p in mesh.procs])
         names = {"target": target, "draft": drafter}
         for role, kind, addresses in (("target", "verifier", probe.verifiers),
                                       ("draft", "drafter", probe.drafters["model"])):
@@ -357,7 +368,8 @@ def bench(
             def progress(label: str, total: int):
                 task = bar.add_task(label, total=total)
                 return lambda: bar.advance(task)
-            results = run_bench(addr, chosen, mode_list, opts, probe, hf_pair, progress, peers)
+            results = run_bench(addr, chosen, mode_list, opts, probe, hf_pair, progress, peers,
+                                cpu)
     report = {
         "machine": {**machine, "load_average_end": list(os.getloadavg())},
         "settings": {"concurrency": levels, "k": k, "max_new_tokens": max_new_tokens,

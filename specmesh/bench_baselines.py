@@ -97,6 +97,8 @@ MODE_TARGETS = (  # for each of SPEC_KEYS
     Target("vs_peer_8", "aggregate tokens/s / the best peer's (--peer), 8 streams", ">=", 1.0),
     Target("vs_peer_16", "aggregate tokens/s / the best peer's (--peer), 16 streams", ">=",
            1.0),
+    Target("cpu_ms_16", "CPU ms per generated token, all mesh processes, 16 streams", "<=",
+           2.0),
 )
 LOSSLESS = Target("lossless", "fraction of rows whose every output equals target-only's",
                   ">=", 1.0)
@@ -128,6 +130,7 @@ def mode_values(rows: list[dict], mode: str) -> dict[str, float | None]:
         "vs_target_all": min((x for x in vs_target if x is not None), default=None),
         "vs_peer_8": ratio(eight.get("tokens_per_s"), best_peer(rows, 8)),
         "vs_peer_16": ratio(sixteen.get("tokens_per_s"), best_peer(rows, 16)),
+        "cpu_ms_16": sixteen.get("cpu_ms_per_token"),
     }
 
 

@@ -1,6 +1,7 @@
 """What `specmesh bench` records about the machine and the models: CPU, cores, versions, the
 commit, the load average, and the parameter count of a local model directory; and
-``wait_quiet``, which lets the CPUs settle between cells."""
+``wait_quiet``, which lets the CPUs settle between cells, and ``ProcessCpu``, the CPU time a set
+of processes (the local mesh's) used."""
 
 from __future__ import annotations
 
@@ -66,3 +67,62 @@ def wait_quiet(max_s: float = 5.0, busy_cores: float = 0.3, sample_s: float = 0.
         if time.monotonic() - start >= max_s:
             break
     return time.monotonic() - start
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+
+
+class ProcessCpu:
+    """CPU seconds (user + system, every thread) used by some processes and their descendants:
+    the local mesh's Redis, verifiers, drafters and gateway, for the bench's CPU per generated
+    token. ``seconds()`` sums what the processes alive at the call have used since they
+    started, with what their ended and reaped children used (the kernel adds that to the
+    parent's); the difference of two calls is what they used in between. Only a root process
+    that ends in between takes its time with it: the bench's mesh lives for the whole run."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = list(pids)
+
+    @classmethod
+    def serving(cls, url: str) -> ProcessCpu | None:
+        """The processes behind a peer's ``url`` when it is served on this machine: whichever
+        process listens on its port, with its descendants (vLLM's engine core is a child of
+        its API server). None for another host, or when the listener cannot be seen."""
+        from urllib.parse import urlsplit
+
+        import psutil
+
+        parts = urlsplit(url)
+        if parts.hostname not in LOCAL_HOSTS:
+            return None
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            pids = {c.pid for c in psutil.net_connections(kind="tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                    and c.pid is not None}
+        except psutil.AccessDenied:
+            return None
+        return cls(sorted(pids)) if pids else None
+
+    def seconds(self) -> float:
+        import psutil
+
+        seen: set[int] = set()
+        total = 0.0
+        for pid in self.pids:
+            try:
+                root = psutil.Process(pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for proc in procs:
+                if proc.pid in seen:
+                    continue
+                seen.add(proc.pid)
+                try:
+                    t = proc.cpu_times()
+                except psutil.NoSuchProcess:
+                    continue
+                # children_*: those of its children that ended and were waited for
+                total += t.user + t.system + t.children_user + t.children_system
+        return total

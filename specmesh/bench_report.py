@@ -45,6 +45,13 @@ def per_token_alpha(records: list[dict], k: int, max_new_tokens: int) -> float |
     return ratio(accepted, accepted + rejected)
 
 
+def cpu_figures(cpu_s: float | None, tokens: int) -> dict:
+    """A cell's CPU seconds (every process of the engine it measured, psutil) and CPU
+    milliseconds per generated token; None where the processes were not known."""
+    return {"cpu_s": cpu_s,
+            "cpu_ms_per_token": ratio(None if cpu_s is None else cpu_s * 1000.0, tokens)}
+
+
 def summarize(records: list[dict], wall_s: float) -> dict:
     """The figures of one cell from its request records (errored requests count nowhere but in
     ``errors``): aggregate tokens/s = completion tokens of all requests / wall time of the
@@ -116,6 +123,14 @@ def run_notes(report: dict) -> list[str]:
         notes.append("No specmesh_round_draft_compute_seconds / "
                      "specmesh_round_verify_compute_seconds from the gateway (with --addr: give "
                      "--metrics-url): the overhead is n/a.")
+    if served and all(r.get("cpu_ms_per_token") is None for r in served):
+        notes.append("CPU ms/token is measured over the local mesh's processes (psutil): with "
+                     "--addr the mesh's processes are not known, so it is n/a.")
+    elif served:
+        notes.append("CPU ms/token: CPU seconds (user + system) of every mesh process (Redis, "
+                     "verifiers, drafters, gateway) during the cell over the tokens generated; "
+                     "a peer's, of whatever listens on its port on this machine and its "
+                     "children (n/a for a peer on another host).")
     if any(r["mode"] == "default" for r in rows):
         notes.append("SpecMesh (gateway defaults) leaves k to the gateway, so the bench knows "
                      "no k for it: no α and no bound.")
@@ -141,7 +156,8 @@ ROW_COLUMNS = (("mode", None), ("concurrency", "d"), ("tokens/s", ".1f"),
                ("per-request tokens/s", ".1f"), ("speedup", ".2f"), ("vs target-only", ".2f"),
                ("tokens/round", ".2f"), ("acceptance", ".3f"), ("α", ".3f"),
                ("TTFT p50 (ms)", ".1f"), ("cache hit", ".0f"), ("fan-out", ".2f"),
-               ("gateway ms/round", ".3f"), ("prefix hit", ".0f"), ("outputs match", None),
+               ("gateway ms/round", ".3f"), ("prefix hit", ".0f"), ("CPU ms/token", ".2f"),
+               ("outputs match", None),
                ("errors", "d"))
 
 
@@ -152,7 +168,8 @@ def row_cells(r: dict) -> list[str]:
             fmt(r["acceptance"], ".3f"), fmt(r.get("alpha"), ".3f"),
             fmt(r["ttft_p50_ms"], ".1f"), fmt(_pct(r.get("cache_hit")), ".0f", "%"),
             fmt(r.get("fanout")), fmt(r.get("gateway_ms_per_round"), ".3f"),
-            fmt(_pct(prefix_hit(r)), ".0f", "%"), fmt(r["outputs_match"]), str(r["errors"])]
+            fmt(_pct(prefix_hit(r)), ".0f", "%"), fmt(r.get("cpu_ms_per_token"), ".2f"),
+            fmt(r["outputs_match"]), str(r["errors"])]
 
 
 def prefix_hit(row: dict) -> float | None:

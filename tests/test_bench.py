@@ -22,7 +22,7 @@ from specmesh.bench_costs import (
     ratio,
     speedup_bound,
 )
-from specmesh.bench_machine import wait_quiet
+from specmesh.bench_machine import ProcessCpu, wait_quiet
 from specmesh.bench_prompts import PROMPTS_PATH, first_prompt, load_prompts, make_prompt_set
 from specmesh.bench_report import per_token_alpha, summarize
 from specmesh.cli import app
@@ -161,6 +161,59 @@ def test_cells_wait_for_the_cpus_to_settle():
         hog.wait()
 
 
+SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+
+
+def test_process_cpu_counts_a_process_and_its_descendants():
+    """The bench's CPU per token sums what the mesh's processes and their children (a
+    service's workers, vLLM's engine core) used: a child that spins 0.6 s of CPU while its
+    own child spins 0.6 s more counts about 1.2 s between two readings; a process that
+    sleeps counts about nothing; a pid that is gone counts nothing."""
+    grandchild = SPIN.format(s=0.6)
+    child = ("import subprocess, sys\n"
+             f"g = subprocess.Popen([sys.executable, '-c', {grandchild!r}])\n"
+             + SPIN.format(s=0.6) + "g.wait()\nimport time\ntime.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", child])
+    idle = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(30)"])
+    try:
+        cpu = ProcessCpu([proc.pid])
+        before = cpu.seconds()  # the interpreters' start-up is counted before, mostly
+        time.sleep(3.0)  # two spins of 0.6 s on two cores, or one after the other on one
+        used = cpu.seconds() - before
+        assert 0.9 <= used <= 1.6, used
+        quiet = ProcessCpu([idle.pid])
+        first = quiet.seconds()
+        time.sleep(0.5)
+        assert quiet.seconds() - first < 0.05
+    finally:
+        for p in (proc, idle):
+            for c in __import__("psutil").Process(p.pid).children(recursive=True):
+                c.kill()
+            p.kill()
+            p.wait()
+    assert ProcessCpu([proc.pid]).seconds() == 0.0
+
+
+def test_a_local_peers_processes_are_found_by_its_port():
+    """A peer served on this machine is measured through whatever listens on its URL's port
+    (and its children); a peer on another host is not measured."""
+    server = subprocess.Popen([sys.executable, "-c",
+                               "import socket, sys, time\ns = socket.socket()\n"
+                               "s.bind(('127.0.0.1', 0))\ns.listen()\n"
+                               "print(s.getsockname()[1], flush=True)\ntime.sleep(30)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        found = ProcessCpu.serving(f"http://127.0.0.1:{port}/v1")
+        assert found is not None and found.pids == [server.pid]
+        assert ProcessCpu.serving(f"http://localhost:{port}/v1").pids == [server.pid]
+    finally:
+        server.kill()
+        server.wait()
+    assert ProcessCpu.serving(f"http://127.0.0.1:{port}/v1") is None  # nobody listens now
+    assert ProcessCpu.serving("http://10.1.2.3:8000/v1") is None  # another host
+
+
 def test_summarize_by_hand():
     def rec(tokens, rounds, drafts, accepted, ttft, latency, error=""):
         return {"prompt_index": 0, "token_ids": [], "completion_tokens": tokens,
@@ -235,6 +288,11 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
         if mode not in hf_modes:
             assert r["vs_target"] == pytest.approx(
                 r["tokens_per_s"] / rows[("target", c)]["tokens_per_s"])
+            # the mesh's processes worked for the cell: some CPU, at most every core's wall
+            assert 0 < r["cpu_s"] <= r["wall_s"] * report["machine"]["cores"] + 0.5
+            assert r["cpu_ms_per_token"] == pytest.approx(r["cpu_s"] * 1000 / r["tokens"])
+        else:
+            assert r.get("cpu_ms_per_token") is None
     for c in (1, 2):
         assert rows[("target", c)]["tokens_per_round"] == 1.0
         assert rows[("target", c)]["vs_target"] == 1.0
@@ -252,7 +310,8 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
     assert {(t["mode"], t["key"]) for t in report["targets"]} == (
         {(m, key) for m in ("model", "default") for key in (
             "vs_hf_plain", "vs_hf_assisted", "cache_hit", "gateway_ms", "scaling",
-            "vs_target_8", "scaling_16", "vs_target_all", "vs_peer_8", "vs_peer_16")}
+            "vs_target_8", "scaling_16", "vs_target_all", "vs_peer_8", "vs_peer_16",
+            "cpu_ms_16")}
         | {("all", "lossless")})
     lossless = next(t for t in report["targets"] if t["key"] == "lossless")
     assert lossless["value"] == 1.0 and lossless["passed"] is True
@@ -261,7 +320,7 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
 
     md = (out / "bench.md").read_text()
     assert "| mode | concurrency | tokens/s |" in md
-    assert "| cache hit | fan-out | gateway ms/round |" in md
+    assert "| cache hit | fan-out | gateway ms/round | prefix hit | CPU ms/token |" in md
     assert "Speedup base: HF generate (plain, no assistant), concurrency 1." in md
     for r in report["rows"]:
         assert r["label"] in md

@@ -123,12 +123,26 @@ def test_targets_by_hand():
         ("default", "cache_hit"): (0.8, True),  # the threshold itself passes
         ("default", "gateway_ms"): (1.5, False),
         ("default", "scaling"): (190 / 96, False), ("default", "vs_target_8"): (0.95, False),
+        ("model", "cpu_ms_16"): (None, None), ("default", "cpu_ms_16"): (None, None),
         ("all", "lossless"): (8 / 9, False),  # 8 of 9 rows match
     }
     assert set(got) == set(expected)
     for key, (value, passed) in expected.items():
         assert got[key][0] == (pytest.approx(value) if value is not None else None), key
         assert got[key][1] is passed, key
+
+
+def test_cpu_per_token_at_16_streams_passes_at_2_ms_or_less():
+    rows = [_row("model", 16, 500.0, cpu_ms_per_token=1.5),
+            _row("default", 16, 500.0, cpu_ms_per_token=2.5),
+            _row("model", 8, 400.0, cpu_ms_per_token=9.0),  # another level: not the target's
+            _row("target", 16, 450.0, cpu_ms_per_token=2.0)]  # not a SpecMesh mode's target
+    got = {(t["mode"], t["key"]): (t["value"], t["passed"]) for t in targets(rows)}
+    assert got[("model", "cpu_ms_16")] == (1.5, True)
+    assert got[("default", "cpu_ms_16")] == (2.5, False)
+    rows[1]["cpu_ms_per_token"] = 2.0  # the threshold itself passes
+    assert next(t for t in targets(rows) if (t["mode"], t["key"]) == ("default", "cpu_ms_16")
+                )["passed"] is True
 
 
 def test_targets_are_na_when_not_measured():
@@ -214,3 +228,8 @@ def test_the_notes_say_what_is_na_and_why():
     assert not any("specmesh_pipeline_drafts_total" in n for n in notes)  # measured
     report["baselines"]["speedup_base"] = "hf-plain"
     assert not any(n.startswith("No plain HF generate row") for n in run_notes(report))
+    assert any(n.startswith("CPU ms/token is measured over the local mesh") for n in notes)
+    rows[0]["cpu_ms_per_token"] = 3.0  # measured for a row: the note says how, not n/a
+    notes = run_notes(report)
+    assert not any(n.startswith("CPU ms/token is measured over") for n in notes)
+    assert any(n.startswith("CPU ms/token: CPU seconds (user + system)") for n in notes)
