@@ -305,6 +305,7 @@ class GenerationEngine:
                     self.telemetry.record_round(round_span, req, r, len(kept),
                                                 time.perf_counter() - start)
                 if finish is not None:
+                    self.verifiers.forget(h.session_id)  # no step waits for its next call
                     self.telemetry.record_finish(span, req, finish)
                 held = Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
                              usage=req.usage if finish else None,
@@ -317,6 +318,7 @@ class GenerationEngine:
                 saving = asyncio.ensure_future(self._save(req, len(kept),
                                                           final=finish is not None))
         finally:
+            self.verifiers.forget(h.session_id)  # (ended by an error, or cancelled)
             for task in (running, saving):
                 if task is not None and not task.done():
                     task.cancel()

@@ -117,6 +117,12 @@ class ReplicaPool:
         self.replicas: dict[str, Replica] = {}
         self.update(frozenset(addresses))
 
+    def forget(self, session_id: str) -> None:
+        """A session's request has ended: no replica's step batcher waits for its next call."""
+        for replica in self.replicas.values():
+            for batcher in replica.steps.values():
+                batcher.forget(session_id)
+
     def update(self, addresses: frozenset[str]) -> list[Replica]:
         """Follows discovery: adds replicas for new addresses, drops vanished ones (their
         channels close after a grace period); returns the added replicas."""

@@ -85,7 +85,8 @@ class StepBatcher:
     what one over both cohorts does. So when the step that just returned held only such
     calls (``describe`` says which: a request's session and whether it is one), and the calls
     waiting are such calls too, the next step also waits for the returned step's sessions to
-    call again (at most ``merge_s``; a session that ended never does): the cohorts merge. Only
+    call again (at most ``merge_s``): the cohorts merge. A session whose request ended never
+    calls again, and the engine says so (``forget``), so that no step waits for it. Only
     while ``merging()`` says so: a plain epoch that only explores (drafting is the mode the
     gateway keeps, gateway/load_switch.py) must not leave the drafting epochs one cohort."""
 
@@ -99,6 +100,7 @@ class StepBatcher:
         self._max_turns = max_turns
         self._describe, self._merging, self._merge_s = describe, merging, merge_s
         self._expected: set[str] = set()  # sessions of the last step, which had no drafts
+        self._gone: set[str] = set()  # sessions forgotten while a step was in flight
         self._arrived = asyncio.Event()  # set by every call
         self._queue: list[_Waiting] = []
         self._step: asyncio.Task | None = None  # the step being gathered or in flight
@@ -128,6 +130,16 @@ class StepBatcher:
             if waiting in self._queue:
                 self._queue.remove(waiting)
 
+    def forget(self, session: str) -> None:
+        """``session``'s request has ended: it calls no more, so no step waits for it to call
+        again. (Waiting for it held the next step ``merge_s``, 10 ms, each time a request
+        ended: every new request's first round, at any load.)"""
+        if self._step is not None:  # its answer may be in the step that is out
+            self._gone.add(session)
+        if session in self._expected:
+            self._expected.discard(session)
+            self._arrived.set()  # _merge checks again
+
     def _start(self) -> None:
         # The step is nobody's child: it serves every caller, whose spans it links.
         self._step = asyncio.get_running_loop().create_task(self._run(),
@@ -140,7 +152,7 @@ class StepBatcher:
                 await self._merge()
             batch = [w for w in self._queue if not w.future.done()]
             self._queue.clear()
-            self._expected = set()
+            self._expected, self._gone = set(), set()
             if batch:
                 self.steps += 1
                 self.calls += len(batch)
@@ -151,9 +163,10 @@ class StepBatcher:
                     await asyncio.gather(*(self._alone(w, timeout) for w in batch))
                 else:
                     await self._together(batch, timeout)
-                if all(w.plain for w in batch):  # (less those that called again already)
+                if all(w.plain for w in batch):  # (less those that called again already,
+                    # and those whose requests ended as the step's answers came in)
                     self._expected = ({w.session for w in batch}
-                                      - {w.session for w in self._queue})
+                                      - {w.session for w in self._queue} - self._gone)
         finally:
             self._step = None
             if self._queue:  # the calls made while this step was in flight

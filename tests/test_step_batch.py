@@ -233,3 +233,33 @@ def test_cohorts_without_drafts_keep_taking_turns_while_drafting_is_the_kept_mod
         return [sorted(calls) for _, calls in replica.steps]
 
     assert asyncio.run(main()) == [[0, 1], [2], [10, 11], [12]]
+
+
+def test_a_step_does_not_wait_for_a_session_whose_request_ended():
+    """A session whose last call was in a step without drafts never calls again once its
+    request ends: the next step (a new request's first call) goes at once, not after the
+    merge wait (merge_s) for the ended session; a session that did not end is still waited
+    for. The engine says which ended (``forget``), before or after the step's end is
+    accounted."""
+
+    async def main(forget_early: bool, forget: bool) -> tuple[float, list]:
+        replica = _Replica(delay=0.02)
+        b = StepBatcher("Verify", replica.one, replica.batch, merge_s=0.5,
+                        describe=lambda n: (f"s{n % 10}", True))
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(b.call(1, 5.0))  # session s1's last call
+        if forget and forget_early:
+            await asyncio.sleep(0.01)  # its step is in flight
+            b.forget("s1")
+        await first
+        if forget and not forget_early:
+            b.forget("s1")
+        start = loop.time()
+        await b.call(2, 5.0)  # a new session, s2: its first call
+        return loop.time() - start, [calls for _, calls in replica.steps]
+
+    for early in (False, True):
+        took, steps = asyncio.run(main(early, forget=True))
+        assert steps == [[1], [2]] and took < 0.2, (early, took)  # 0.02 s: the replica's delay
+    took, steps = asyncio.run(main(False, forget=False))
+    assert steps == [[1], [2]] and took >= 0.5  # s1 still running: waited for, as designed
