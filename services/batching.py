@@ -24,7 +24,8 @@ jobs by one pass; jobs that fail are reported, the others go on.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,12 +168,37 @@ class FeedJob(StepJob):
         raise NotImplementedError
 
 
+PREFILL_ROW = 16  # a row of at least this many tokens is a prompt's (prefill_threads)
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads raised to ``threads`` inside the block, then put back (no
+    change when ``threads`` is not more than the current number)."""
+    old = torch.get_num_threads()
+    if threads <= old:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def run_step(model, jobs: Sequence[StepJob], device: torch.device,
-             new_cache: Callable[[], Any]) -> tuple[list[BaseException | None], float]:
+             new_cache: Callable[[], Any],
+             prefill_threads: int = 0) -> tuple[list[BaseException | None], float]:
     """One forward pass over each job's next row; returns (per job its error or None, the
     pass's milliseconds). A job that fails is reported and the others go on; a failed pass
     fails every job in it. The caller (services/model_runner.py) decides which jobs run the
-    next step: jobs that are done leave, new ones join."""
+    next step: jobs that are done leave, new ones join.
+
+    ``prefill_threads``: torch threads for a pass with a row of PREFILL_ROW tokens or more
+    (a prompt, or a chunk of one), when more than the service's own: such a pass is bound
+    by compute, which a second core speeds up, where a decode pass (one token, or k + 1, per
+    session) is bound by reading the weights and loses more to waking threads than it gains
+    (docs/performance.md)."""
     start = time.perf_counter()
     errors: list[BaseException | None] = [None] * len(jobs)
     rows, live = [], []
@@ -182,8 +208,10 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
             live.append(i)
         except Exception as exc:  # noqa: BLE001 - a bad job must not fail the others
             errors[i] = exc
+    wide = prefill_threads if any(len(r.tokens) >= PREFILL_ROW for r in rows) else 0
     try:
-        logits = forward_rows(model, rows, device, new_cache) if rows else []
+        with torch_threads(wide):
+            logits = forward_rows(model, rows, device, new_cache) if rows else []
     except Exception as exc:  # noqa: BLE001 - the pass failed: every job in it did
         for i in live:
             errors[i] = exc

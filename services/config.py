@@ -129,6 +129,7 @@ class ModelServiceConfig:
     prefix_cache_mb: int = 256  # KV blocks of committed prefixes shared across sessions; 0 = off
     prefix_block: int = 16  # tokens per prefix-cache block
     prefill_chunk: int = 256  # a longer prompt is fed this many tokens per pass; 0 = at once
+    prefill_threads: int = 0  # torch threads for a pass that feeds a prompt; 0 = threads
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
@@ -145,6 +146,8 @@ class ModelServiceConfig:
                  f"prefix cache size must be >= 0 MB, got {self.prefix_cache_mb}")
         _require(self.prefill_chunk >= 0,
                  f"prefill chunk must be >= 0 tokens (0 = off), got {self.prefill_chunk}")
+        _require(self.prefill_threads >= 0,
+                 f"prefill threads must be >= 0 (0 = --threads), got {self.prefill_threads}")
         _require(1 <= self.prefix_block <= 1024,
                  f"prefix block size must be in 1..1024 tokens, got {self.prefix_block}")
 

@@ -60,7 +60,10 @@ def redis_server_binary() -> str:
 class MeshSpec:
     """``--threads`` of a drafter or verifier, unless its extra args set one: each model
     process gets its share of the cores (model_threads), so that a drafter drafting while
-    the verifier verifies does not fight it for the same cores."""
+    the verifier verifies does not fight it for the same cores. A verifier's passes that
+    compute a prompt get the cores the verifiers share (``--prefill-threads``, unless its
+    extra args set it): such a pass is bound by compute, and a drafter has little to do
+    while the prompt it will draft from is being computed."""
 
     target: str
     draft: str
@@ -94,8 +97,9 @@ def model_threads(cores: int, model_processes: int) -> int:
     return max(1, cores // max(1, model_processes))
 
 
-def _with_threads(args: tuple[str, ...], threads: int) -> tuple[str, ...]:
-    return args if "--threads" in args else (*args, "--threads", str(threads))
+def _with_threads(args: tuple[str, ...], threads: int, flag: str = "--threads"
+                  ) -> tuple[str, ...]:
+    return args if flag in args else (*args, flag, str(threads))
 
 
 @dataclass
@@ -228,8 +232,10 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
             proc, mesh.redis_url = start_redis(log_dir, cancel=cancel, started=procs)
             progress(f"redis       {mesh.redis_url}")
         threads = model_threads(os.cpu_count() or 1, spec.verifiers + spec.drafters)
+        prefill = model_threads(os.cpu_count() or 1, spec.verifiers)
         tiers = [("verifier", "verifier", spec.verifiers, spec.target,
-                  _with_threads(spec.extra_verifier_args, threads)),
+                  _with_threads(_with_threads(spec.extra_verifier_args, threads), prefill,
+                                "--prefill-threads")),
                  ("drafter", "drafter", spec.drafters, spec.draft,
                   _with_threads(spec.extra_drafter_args, threads)),
                  ("ngram", "drafter", spec.ngram_drafters, spec.target,

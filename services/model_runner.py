@@ -69,13 +69,16 @@ class _Active:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, meta: ModelMeta, device: torch.device,
-                 max_queue: int, max_batch: int = 16) -> None:
+                 max_queue: int, max_batch: int = 16, prefill_threads: int = 0) -> None:
+        """``prefill_threads``: torch threads for a pass that feeds a prompt
+        (services/batching.py ``run_step``); 0: the process's own."""
         self.model = model
         self.meta = meta
         self.device = device
         self.stats = ReplicaStats()  # the engine's counters; forward_* are kept here
         self._max_queue = max_queue
         self._max_batch = max_batch
+        self._prefill_threads = prefill_threads
         self._pending = 0
         self._waiting: list[tuple[StepJob, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
@@ -131,7 +134,7 @@ class ModelRunner:
                     continue
                 errors, ms = await loop.run_in_executor(
                     self._executor, run_step, self.model, [a.job for a in active],
-                    self.device, self.new_kv)
+                    self.device, self.new_kv, self._prefill_threads)
                 self.stats.forward_ms += ms
                 self.stats.forward_passes += 1
                 active = [a for a, error in zip(active, errors, strict=True)

@@ -30,7 +30,8 @@ from specmesh.v1 import common_pb2
 def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]:
     model, meta, device = load_for_serving(config.model, config.device, config.dtype,
                                            config.threads, config.forward)
-    runner = ModelRunner(model, meta, device, config.max_queue, config.max_batch)
+    runner = ModelRunner(model, meta, device, config.max_queue, config.max_batch,
+                         config.prefill_threads)
     max_tokens = None
     if config.kv_budget_mb:
         per_token = kv_bytes_per_token(model)

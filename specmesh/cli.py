@@ -104,6 +104,11 @@ PrefillChunk = Annotated[int, typer.Option(
     "--prefill-chunk", envvar="SPECMESH_PREFILL_CHUNK", min=0,
     help="A longer prompt is computed this many tokens per forward pass (chunked prefill), "
          "so other sessions' calls run between its chunks; 0 = in one pass.")]
+PrefillThreads = Annotated[int, typer.Option(
+    "--prefill-threads", envvar="SPECMESH_PREFILL_THREADS", min=0,
+    help="torch CPU threads for a forward pass that computes a prompt (or a chunk of one), "
+         "when more than --threads: a prompt's pass is bound by compute, a decode pass by "
+         "reading the weights; 0 = --threads.")]
 Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                       help="auto: Llama-architecture models run a lean forward "
                                            "(less Python per call; on a CPU with weights "
@@ -116,7 +121,8 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                    max_queue, telemetry, drafter_kind: str = "model", redis: str = "",
                    advertise: str = "", kv_budget_mb: int = 0, max_batch: int = 16,
                    forward: str = "auto", prefix_cache_mb: int = 256,
-                   prefix_block: int = 16, prefill_chunk: int = 256) -> None:
+                   prefix_block: int = 16, prefill_chunk: int = 256,
+                   prefill_threads: int = 0) -> None:
     from services.config import ModelServiceConfig
 
     model = model_reference(model, "--model")
@@ -128,7 +134,8 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                                     kind=drafter_kind, redis_url=redis,
                                     advertise=advertise, kv_budget_mb=kv_budget_mb,
                                     forward=forward, prefix_cache_mb=prefix_cache_mb,
-                                    prefix_block=prefix_block, prefill_chunk=prefill_chunk)
+                                    prefix_block=prefix_block, prefill_chunk=prefill_chunk,
+                                    prefill_threads=prefill_threads)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if kind == "drafter":
@@ -153,7 +160,7 @@ def drafter(model: Model,
             kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "", tls_key: TlsKey = "",
             tls_ca: TlsCa = "", health_port: HealthPort = 0, forward: Forward = "auto",
             prefix_cache_mb: PrefixCacheMb = 256, prefix_block: PrefixBlock = 16,
-            prefill_chunk: PrefillChunk = 256) -> None:
+            prefill_chunk: PrefillChunk = 256, prefill_threads: PrefillThreads = 0) -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
     _model_service("drafter", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
@@ -161,7 +168,7 @@ def drafter(model: Model,
                    threads, max_queue,
                    _telemetry("drafter", metrics_port, log_format, log_level), kind, redis,
                    advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
-                   prefill_chunk)
+                   prefill_chunk, prefill_threads)
 
 
 @app.command()
@@ -174,14 +181,15 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              advertise: Advertise = "", kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "",
              tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0,
              forward: Forward = "auto", prefix_cache_mb: PrefixCacheMb = 256,
-             prefix_block: PrefixBlock = 16, prefill_chunk: PrefillChunk = 256) -> None:
+             prefix_block: PrefixBlock = 16, prefill_chunk: PrefillChunk = 256,
+             prefill_threads: PrefillThreads = 0) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    _telemetry("verifier", metrics_port, log_format, log_level), "model", redis,
                    advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
-                   prefill_chunk)
+                   prefill_chunk, prefill_threads)
 
 
 @app.command()

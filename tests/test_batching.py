@@ -260,3 +260,53 @@ def test_a_long_prompt_is_fed_in_chunks_and_calls_run_between_them(target_model,
     assert whole_passes == 1 and whole_order == ["long", "short"]  # one pass held both
     assert order == ["short", "long"] and passes == 7
     assert short.batch_size == 2  # it shared a pass with one of the long prompt's chunks
+
+
+class _Feed(StepJob):
+    """One pass over ``n`` new tokens on a fresh cache; keeps the logits."""
+
+    def __init__(self, model, n: int) -> None:
+        self.kv, self.n, self.logits = _new_kv(model), n, None
+
+    def next_row(self) -> Row:
+        return Row(tokens=list(range(5, 5 + self.n)), kv=self.kv, start=0, keep=1)
+
+    def take(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
+
+
+def test_a_pass_that_computes_a_prompt_runs_on_the_prefill_threads(target_model):
+    """run_step's ``prefill_threads``: a pass with a row of PREFILL_ROW tokens or more (a
+    prompt) runs on that many torch threads, a pass of short rows (decode, drafts) on the
+    process's own, and the process's number is back after either; a number not above the
+    process's own changes nothing. The logits do not depend on it beyond float order."""
+    from services.batching import PREFILL_ROW, run_step
+
+    model, _ = target_model
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cases = [([PREFILL_ROW], 3, 3), ([PREFILL_ROW - 1, 2], 3, 1), ([1, PREFILL_ROW + 4], 2, 2),
+                 ([PREFILL_ROW], 1, 1), ([PREFILL_ROW], 0, 1)]
+        for sizes, threads, expected in cases:
+            seen.clear()
+            jobs = [_Feed(model, n) for n in sizes]
+            errors, _ = run_step(model, jobs, torch.device("cpu"), lambda: _new_kv(model),
+                                 prefill_threads=threads)
+            assert errors == [None] * len(jobs)
+            assert seen and set(seen) == {expected}, (sizes, threads, seen)
+            assert torch.get_num_threads() == 1  # put back
+        wide, narrow = _Feed(model, 24), _Feed(model, 24)
+        run_step(model, [wide], torch.device("cpu"), lambda: _new_kv(model), prefill_threads=2)
+        run_step(model, [narrow], torch.device("cpu"), lambda: _new_kv(model))
+        assert torch.allclose(wide.logits, narrow.logits, atol=1e-4)
+        assert wide.logits.argmax() == narrow.logits.argmax()
+    finally:
+        hook.remove()
+        torch.set_num_threads(before)

@@ -413,7 +413,8 @@ def test_replicas_publish_their_prefix_index_under_the_address_gateways_dial():
         port = by_component(docs, "Service")[tier]["spec"]["ports"][0]["port"]
         assert env["SPECMESH_ADVERTISE"]["value"] == f"$(POD_IP):{port}"
         assert (env["SPECMESH_PREFIX_CACHE_MB"]["value"], env["SPECMESH_PREFIX_BLOCK"]["value"],
-                env["SPECMESH_PREFILL_CHUNK"]["value"]) == ("256", "16", "256")
+                env["SPECMESH_PREFILL_CHUNK"]["value"],
+                env["SPECMESH_PREFILL_THREADS"]["value"]) == ("256", "16", "256", "0")
 
 
 def test_otel_env_and_service_monitor():

@@ -200,6 +200,8 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.prefixBlock | quote }}
 - name: SPECMESH_PREFILL_CHUNK
   value: {{ $c.prefillChunk | quote }}
+- name: SPECMESH_PREFILL_THREADS
+  value: {{ $c.prefillThreads | quote }}
 {{- /* the address gateways dial (an EndpointSlice's pod IP), under which the pod registers
        and publishes its prefix index in Redis */}}
 - name: POD_IP
