@@ -106,7 +106,7 @@ class _DraftJob(FeedJob):
         return len(self.out) >= self.call.num_tokens
 
     def row(self) -> Row:
-        return Row(tokens=self.pending, kv=self.entry.kv, start=len(self.entry.tokens), keep=1)
+        return self.row_of(self.pending, keep=1)
 
     def use(self, logits: torch.Tensor) -> None:  # logits [1, V]
         self.entry.tokens.extend(self.pending)

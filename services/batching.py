@@ -38,6 +38,45 @@ class Row:
     kv: Any  # the session's KV cache (DynamicCache or SlabCache), ``start`` positions
     start: int
     keep: int  # logits wanted for the last ``keep`` new tokens
+    # the chained hashes of the prefix-cache blocks the cache begins with, and the tokens
+    # they cover (services/kv_cache.py SessionCache.hashes / .published): rows whose caches
+    # begin with the same blocks attend to them once (``shared_prefixes``)
+    chain: Sequence[int] = ()
+    chain_tokens: int = 0
+
+
+SHARED_MIN_TOKENS = 128  # a shared prefix shorter than this is attended per row as before
+
+
+def shared_prefixes(rows: Sequence[Row], min_tokens: int = SHARED_MIN_TOKENS
+                    ) -> list[tuple[list[int], int]]:
+    """Groups of two or more rows whose caches begin with the same ``P >= min_tokens``
+    positions, as (row indices, P): those rows' caches hold the same keys and values there
+    (copies of the same prefix-cache blocks, or computed from the same tokens), which the
+    lean forward reads once for the whole group (cascade attention). Rows are grouped by
+    their first block, and a group's P is the deepest block all of its rows share (a
+    block's hash covers every block before it), at most each row's cached length."""
+    by_first: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.chain and r.chain_tokens >= min_tokens:
+            by_first.setdefault(r.chain[0], []).append(i)
+    groups = []
+    for idx in by_first.values():
+        if len(idx) < 2:
+            continue
+        lo, hi = 1, min(len(rows[i].chain) for i in idx)
+        while lo < hi:  # the deepest depth at which every row's block hash is the same
+            mid = (lo + hi + 1) // 2
+            if len({rows[i].chain[mid - 1] for i in idx}) == 1:
+                lo = mid
+            else:
+                hi = mid - 1
+        first = rows[idx[0]]
+        shared = min(lo * (first.chain_tokens // len(first.chain)),
+                     *(rows[i].start for i in idx))
+        if shared >= min_tokens:
+            groups.append((idx, shared))
+    return groups
 
 
 @torch.inference_mode()
@@ -71,7 +110,7 @@ def forward_rows(model, rows: Sequence[Row], device: torch.device,
         return [forward_one(model, rows[0], device)]
     ragged = getattr(model, "forward_ragged", None)
     if ragged is not None:  # the lean forward: each cache read in place, nothing stacked
-        return [lg.cpu() for lg in ragged(rows)]
+        return [lg.cpu() for lg in ragged(rows, shared_prefixes(rows))]
     B = len(rows)
     lengths = [r.start for r in rows]
     sizes = [len(r.tokens) for r in rows]
@@ -150,9 +189,14 @@ class FeedJob(StepJob):
     def next_row(self) -> Row:
         self._feeding = 0 < self.chunk < len(self.pending)
         if self._feeding:
-            return Row(tokens=self.pending[:self.chunk], kv=self.entry.kv,
-                       start=len(self.entry.tokens), keep=1)
+            return self.row_of(self.pending[:self.chunk], keep=1)
         return self.row()
+
+    def row_of(self, tokens: Sequence[int], keep: int) -> Row:
+        """A row that feeds ``tokens`` onto the session's cache."""
+        e = self.entry
+        return Row(tokens=tokens, kv=e.kv, start=len(e.tokens), keep=keep, chain=e.hashes,
+                   chain_tokens=e.published)
 
     def take(self, logits: torch.Tensor) -> None:
         if self._feeding:

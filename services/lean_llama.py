@@ -241,8 +241,48 @@ class LeanLlama(torch.nn.Module):
         x = self._rms(x[:, -keep:], self.hf.model.norm.weight)
         return LeanOutput(logits=self._lm_head(x))  # [B, keep, V]
 
+    @staticmethod
+    def _attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of grouped queries q [1, KV, n, D] over keys/values [1, KV, L, D] with
+        its log-sum-exp: ([1, KV, n, D], [1, KV, n]); ``mask`` [n, L] added to the scores
+        (0 or -inf) or None. PyTorch's CPU flash kernel, which SDPA runs, returns both."""
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, keys, values, 0.0, False, attn_mask=mask)
+        return out, lse
+
+    def _cascade(self, q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 spans: list[tuple[int, int]], masks: list, shared: int) -> list[torch.Tensor]:
+        """Attention for rows whose caches begin with the same ``shared`` positions (cascade
+        attention): every row's queries attend to that prefix in ONE call, over the first
+        row's copy, read once instead of once per row; each row's queries attend to the
+        rest of its own cache alone; the two parts merge by their log-sum-exps:
+
+            o = o_p * exp(lse_p - lse) + o_s * exp(lse_s - lse),  lse = logaddexp(lse_p, lse_s)
+
+        q [H, T, D] (the pass's queries), kv per row its cache (keys, values) [1, KV, L, D],
+        spans per row its tokens [s, e) in T, masks per row its suffix mask (additive [G m,
+        L - shared] or None). Returns per row [H, m, D]."""
+        H, _, D = q.shape
+        KV = kv[0][0].shape[1]
+        grouped = [q[None, :, s:e].reshape(1, KV, (H // KV) * (e - s), D) for s, e in spans]
+        keys, values = kv[0]
+        o_p, lse_p = self._attend_lse(torch.cat(grouped, dim=2), keys[:, :, :shared],
+                                      values[:, :, :shared], None)  # [1, KV, N, D], [1, KV, N]
+        parts = [self._attend_lse(g, k[:, :, shared:], v[:, :, shared:], mask)
+                 for g, (k, v), mask in zip(grouped, kv, masks, strict=True)]
+        o_s = torch.cat([o for o, _ in parts], dim=2)
+        lse_s = torch.cat([lse for _, lse in parts], dim=2)
+        lse = torch.logaddexp(lse_p, lse_s)
+        out = (o_p * (lse_p - lse).exp()[..., None]
+               + o_s * (lse_s - lse).exp()[..., None]).to(q.dtype)  # (lse is float32)
+        sizes = [(H // KV) * (e - s) for s, e in spans]
+        return [o.reshape(H, e - s, D) for o, (s, e) in
+                zip(out[0].split(sizes, dim=1), spans, strict=True)]
+
     @torch.inference_mode()
-    def forward_ragged(self, rows) -> list[torch.Tensor]:
+    def forward_ragged(self, rows, shared: list[tuple[list[int], int]] = ()
+                       ) -> list[torch.Tensor]:
         """One pass over several sessions' new tokens, each on its own KV cache, read and
         written in place: nothing is padded, stacked or copied between caches. The
         projections and the LM head run once over all the rows' tokens together (that is
@@ -254,6 +294,10 @@ class LeanLlama(torch.nn.Module):
             tokens of all rows, concatenated:  T = sum m_b
             x [1, T, h] ; per layer  q [H, T, D], k, v [KV, T, D]
             row b: its slice [o_b, o_b + m_b) of q, k, v ; its cache [1, KV, L_b + m_b, D]
+
+        ``shared``: groups of rows whose caches begin with the same P positions, as (row
+        indices, P) (services/batching.py ``shared_prefixes``): on a CPU their attention
+        reads those positions once for the group (``_cascade``).
         """
         H, KV, D = self._heads, self._kv_heads, self._head_dim
         sizes = [len(r.tokens) for r in rows]
@@ -272,6 +316,11 @@ class LeanLlama(torch.nn.Module):
                  self._group_mask(torch.ones(m, r.start + m, dtype=torch.bool,
                                              device=dev).tril(diagonal=r.start))
                  for r, m in zip(rows, sizes, strict=True)]  # [G m_b, L_b + m_b]
+        groups = [(idx, p) for idx, p in shared if dev.type == "cpu"]
+        grouped = {b for idx, _ in groups for b in idx}
+        suffix_masks = {b: None if masks[b] is None else torch.zeros(
+            masks[b][:, p:].shape, device=dev).masked_fill_(~masks[b][:, p:], float("-inf"))
+            for idx, p in groups for b in idx}  # additive [G m_b, L_b + m_b - P]
         for i, w in enumerate(self._layers):
             h = self._rms(x, w.ln1)
             q, k, v = w.qkv(h)[0].split([H * D, KV * D, KV * D], dim=-1)
@@ -280,10 +329,20 @@ class LeanLlama(torch.nn.Module):
             v = v.view(T, KV, D).transpose(0, 1)
             q = q * cos + self._rotate_half(q) * sin
             k = k * cos + self._rotate_half(k) * sin
-            out = []
-            for r, s, e, mask in zip(rows, starts, ends, masks, strict=True):
+            out: list = [None] * len(rows)
+            cached = {}
+            for b, (r, s, e, mask) in enumerate(zip(rows, starts, ends, masks, strict=True)):
                 keys, values = r.kv.update(k[None, :, s:e], v[None, :, s:e], i)  # [1, KV, L+m, D]
-                out.append(self._attend(q[None, :, s:e], keys, values, mask)[0])  # [H, m, D]
+                if b in grouped:
+                    cached[b] = (keys, values)
+                else:
+                    out[b] = self._attend(q[None, :, s:e], keys, values, mask)[0]  # [H, m, D]
+            for idx, p in groups:
+                for b, o in zip(idx, self._cascade(q, [cached[b] for b in idx],
+                                                   [(starts[b], ends[b]) for b in idx],
+                                                   [suffix_masks[b] for b in idx], p),
+                                strict=True):
+                    out[b] = o
             attn = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [H, T, D]
             x = x + w.o(attn.transpose(0, 1).reshape(1, T, H * D))
             h = self._rms(x, w.ln2)

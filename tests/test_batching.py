@@ -310,3 +310,25 @@ def test_a_pass_that_computes_a_prompt_runs_on_the_prefill_threads(target_model)
     finally:
         hook.remove()
         torch.set_num_threads(before)
+
+
+def _row(chain, start: int = 1000, block: int = 16) -> Row:
+    return Row(tokens=[1], kv=None, start=start, keep=1, chain=chain,
+               chain_tokens=block * len(chain))
+
+
+def test_rows_are_grouped_by_the_deepest_prefix_block_they_all_share():
+    """shared_prefixes, by hand (blocks of 16 tokens, groups of at least 32 shared tokens):
+    a block's hash covers every block before it, so rows share up to the deepest block
+    whose hash they all have; a row alone, one with another first block, one whose shared
+    part is too short, and one with no chain go their own way; P is at most a row's cache."""
+    from services.batching import shared_prefixes
+
+    rows = [_row([1, 2, 3, 4, 5]), _row([1, 2, 3, 9]), _row([7, 8, 9]), _row([1, 2, 3, 4, 5, 6]),
+            _row([]), _row([3, 4]), _row([3, 5]), _row([7, 8, 9, 4], start=40)]
+    assert shared_prefixes(rows, min_tokens=32) == [([0, 1, 3], 48), ([2, 7], 40)]
+    # rows 5 and 6 share one block (16 tokens): too short for 32, enough for 16
+    assert shared_prefixes(rows, min_tokens=16) == [([0, 1, 3], 48), ([2, 7], 40),
+                                                    ([5, 6], 16)]
+    assert shared_prefixes([_row([1, 2, 3])], min_tokens=16) == []  # alone
+    assert shared_prefixes(rows) == []  # the default: at least 128 tokens

@@ -187,3 +187,31 @@ def test_committed_tokens_of_a_running_session_are_published_as_they_fill_blocks
         entry.tokens.append(9)
     assert len(prefix) == 2  # 9 committed: the second block [5, 6, 7, 8] is out
     assert block_hashes([*tokens, 7, 8], 4)[1] in prefix
+
+
+def test_sessions_on_one_cached_prefix_carry_its_block_hashes(lean_target):
+    """A session's cache remembers the chained hashes of the prefix blocks it begins with
+    (SessionCache.hashes, which its rows carry): the session that computed a prompt and
+    published its blocks and one that restored them have the same hashes for the shared
+    blocks, so a pass groups their rows (cascade attention), and their own after those; a
+    committed tail taken back clears them, and the blocks still committed are named again."""
+    from services.batching import shared_prefixes
+
+    model, meta, device = lean_target
+    gen = torch.Generator().manual_seed(3)
+    system = torch.randint(0, meta.vocab_size, (40,), generator=gen).tolist()
+    first = system + torch.randint(0, meta.vocab_size, (9,), generator=gen).tolist()
+    second = system + torch.randint(0, meta.vocab_size, (8,), generator=gen).tolist()
+    caches = SessionCaches(16, model.new_cache, prefix=PrefixCache(block=8, max_blocks=100))
+    _prefill(caches, "a", first, model, device)
+    assert _prefill(caches, "b", second, model, device)[0] == 40  # five shared blocks
+    a, b = caches._entries["a"], caches._entries["b"]
+    assert a.hashes == block_hashes(first, 8) and len(a.hashes) == 6
+    assert b.hashes == block_hashes(second, 8) and len(b.hashes) == 6
+    assert a.hashes[:5] == b.hashes[:5] and a.hashes[5] != b.hashes[5]
+    rows = [Row(tokens=[1], kv=e.kv, start=len(e.tokens), keep=1, chain=e.hashes,
+                chain_tokens=e.published) for e in (a, b)]
+    assert shared_prefixes(rows, min_tokens=32) == [([0, 1], 40)]
+    with caches.checkout("a", 30, token_hash(first[:30]), []) as entry:
+        assert entry.hashes == []  # cropped below its published blocks: re-walked
+    assert caches._entries["a"].hashes == block_hashes(first[:30], 8)  # three blocks again

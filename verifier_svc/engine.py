@@ -109,8 +109,7 @@ class _VerifyJob(FeedJob):
 
     def row(self) -> Row:
         k = len(self.call.draft_ids)
-        return Row(tokens=self.pending + list(self.call.draft_ids), kv=self.entry.kv,
-                   start=len(self.entry.tokens), keep=k + 1)
+        return self.row_of(self.pending + list(self.call.draft_ids), keep=k + 1)
 
     def use(self, logits: torch.Tensor) -> None:  # logits [k+1, V]
         entry, params = self.entry, self.call.params
