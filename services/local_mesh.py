@@ -63,7 +63,8 @@ class MeshSpec:
     the verifier verifies does not fight it for the same cores. A verifier's passes that
     compute a prompt get the cores the verifiers share (``--prefill-threads``, unless its
     extra args set it): such a pass is bound by compute, and a drafter has little to do
-    while the prompt it will draft from is being computed."""
+    while the prompt it will draft from is being computed; its OpenMP threads then sleep
+    rather than spin between passes (``_omp_env``)."""
 
     target: str
     draft: str
@@ -95,6 +96,16 @@ class MeshSpec:
 def model_threads(cores: int, model_processes: int) -> int:
     """Torch threads per model process when ``model_processes`` share ``cores``."""
     return max(1, cores // max(1, model_processes))
+
+
+def _omp_env(command: str) -> dict[str, str]:
+    """A verifier's OpenMP threads sleep when a pass ends (OMP_WAIT_POLICY=PASSIVE) unless
+    the environment says otherwise: its prompt passes run on more threads than its decode
+    passes, and the extra thread's spin-wait after each took CPU from the drafter and the
+    gateway on the same cores (docs/performance.md)."""
+    if command != "verifier" or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def _with_threads(args: tuple[str, ...], threads: int, flag: str = "--threads"
@@ -250,7 +261,7 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
                                               "--model", model, "--metrics-port",
                                               str(metrics[proc_name]), "--redis",
                                               mesh.redis_url, *tls_args, *extra),
-                              log_dir, dict(spec.env), started=procs)
+                              log_dir, {**_omp_env(command), **dict(spec.env)}, started=procs)
                 proc.address = f"{spec.host}:{port}"
                 proc.health_address = _health_address(spec, tls_args)
                 proc.metrics_port = metrics[proc_name]

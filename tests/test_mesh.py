@@ -137,3 +137,24 @@ def test_ephemeral_session_is_gone_after_the_request(client):
     with pytest.raises(grpc.RpcError) as err:
         client.generate(build_request("more", session_id=reply.session_id, max_new_tokens=4))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_local_mesh_gives_its_verifier_the_cores_for_prompts_and_sleeping_threads(mesh):
+    """start_mesh: each model process gets its share of the cores for decode passes, the
+    verifier all the cores the verifiers share for prompt passes (--prefill-threads), and
+    the verifier's OpenMP threads sleep between passes (OMP_WAIT_POLICY=PASSIVE) unless the
+    environment chose a policy; the drafters are left as they were."""
+    import os
+
+    import psutil
+
+    cores = os.cpu_count() or 1
+    verifier = psutil.Process(mesh.proc("verifier-0").popen.pid)
+    drafter = psutil.Process(mesh.proc("drafter-0").popen.pid)
+    args = verifier.cmdline()
+    assert args[args.index("--prefill-threads") + 1] == str(cores)
+    assert args[args.index("--threads") + 1] == str(max(1, cores // 2))  # with one drafter
+    assert "--prefill-threads" not in drafter.cmdline()
+    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert verifier.environ().get("OMP_WAIT_POLICY") == expected
+    assert drafter.environ().get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY")
