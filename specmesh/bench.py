@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -32,10 +30,10 @@ import typer
 
 from specmesh import bench_baselines, bench_report
 from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, model_info
+from specmesh.bench_gateway import run_level, stream_one_client
 from specmesh.bench_machine import ProcessCpu, count_params, machine_info, wait_quiet
 from specmesh.bench_modes import HF_KEYS, MODE_KEYS, TARGET_KEY, Mode, hf_threads, make_modes
 from specmesh.bench_peers import Peer, parse_peers, run_peer_level, served_model
-from specmesh.bench_workers import run_workers
 from specmesh.up_cli import default_pair
 
 
@@ -48,69 +46,7 @@ class BenchOptions:
     device: str = "cpu"
     seed: int = 0
     timeout_s: float = 600.0
-
-
-def stream_one(client, prompt_index: int, prompt: str, mode: Mode, opts: BenchOptions) -> dict:
-    """One GenerateStream request: its token ids, usage, TTFT and latency; errors recorded."""
-    import grpc
-
-    from specmesh.client import build_request
-
-    request = build_request(prompt, max_new_tokens=opts.max_new_tokens, temperature=0.0,
-                            seed=opts.seed, num_draft_tokens=mode.k,
-                            disable_speculation=mode.disable, drafter=mode.drafter)
-    rec = {"prompt_index": prompt_index, "token_ids": [], "completion_tokens": 0, "rounds": 0,
-           "draft_tokens": 0, "accepted_draft_tokens": 0, "ttft_s": None, "latency_s": 0.0,
-           "error": "", "chunks": []}
-    final = None
-    start = time.perf_counter()
-    try:
-        for chunk in client.stream(request, timeout=opts.timeout_s):
-            if chunk.token_ids:
-                if rec["ttft_s"] is None:
-                    rec["ttft_s"] = time.perf_counter() - start
-                rec["token_ids"].extend(chunk.token_ids)
-                # one chunk per round: (tokens, was it the last) for the per-token α
-                rec["chunks"].append((len(chunk.token_ids), bool(chunk.finish_reason)))
-            if chunk.finish_reason:
-                final = chunk
-    except grpc.RpcError as err:
-        rec["error"] = f"{err.code().name}: {err.details()}"
-    rec["latency_s"] = time.perf_counter() - start
-    if not rec["error"]:
-        if final is None:
-            rec["error"] = "INCOMPLETE: the stream ended without a finish reason"
-        else:
-            u = final.usage
-            rec.update(completion_tokens=u.completion_tokens, rounds=u.rounds,
-                       draft_tokens=u.draft_tokens, accepted_draft_tokens=u.accepted_draft_tokens)
-            if u.completion_tokens != len(rec["token_ids"]):
-                rec["error"] = (f"USAGE_MISMATCH: {len(rec['token_ids'])} tokens streamed, "
-                                f"usage says {u.completion_tokens}")
-    return rec
-
-
-def run_level(address: str, mode: Mode, prompts: list[str], concurrency: int,
-              opts: BenchOptions, advance=None) -> tuple[list[dict], float]:
-    """One cell: ``concurrency`` workers over max(P, concurrency) requests (see the module
-    docstring). Returns the records (sorted by prompt) and the wall time."""
-    n = max(len(prompts), concurrency)
-    return run_workers(
-        concurrency, n, lambda client, j: stream_one(client, j % len(prompts),
-                                                     prompts[j % len(prompts)], mode, opts),
-        connect=lambda: _ready_client(address), advance=advance)
-
-
-@contextmanager
-def _ready_client(address: str):
-    """A gateway client whose channel is connected (a worker's start is not timed)."""
-    import grpc
-
-    from specmesh.client import GatewayClient
-
-    with GatewayClient(address) as client:
-        grpc.channel_ready_future(client.channel).result(timeout=30)
-        yield client
+    repeat: int = 1  # runs of every cell; its row is the median run
 
 
 def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchOptions,
@@ -119,7 +55,9 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     """Every (mode, concurrency) cell, concurrency by concurrency (so the rows compared with
     each other run close together in time): the gateway's modes, then each peer (``peers``:
     (peer, its model)), in that order on even levels and reversed on odd ones, each once the
-    CPUs are quiet; the HF rows after the first level's. ``progress(label, total)`` returns
+    CPUs are quiet; the HF rows after the first level's. With ``opts.repeat`` N > 1 a level
+    passes over its cells N times, each pass in the other order, and a cell's row is its
+    run with the median tokens/s (``bench_report.median_run``). ``progress(label, total)`` returns
     an advance(). ``cpu``: the mesh's processes (a local mesh), for each gateway cell's CPU
     seconds and CPU milliseconds per generated token (None with ``--addr``)."""
     texts = [p["prompt"] for p in prompts]
@@ -133,29 +71,18 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     for peer, model in peers:  # first calls open connections, load caches: not measured
         run_peer_level(peer, model, texts[:1], 1, warm.max_new_tokens, opts.timeout_s)
     for level, c in enumerate(opts.concurrency):
-        cells = [*gateway_modes, *peers]
-        for cell in cells if level % 2 == 0 else cells[::-1]:
-            settle_s = wait_quiet()  # (the previous cell's engine may still be spinning)
-            if isinstance(cell, tuple):
-                rows.append({**_peer_row(*cell, texts, c, opts, progress, outputs),
-                             "settle_s": settle_s})
-                continue
-            mode = cell
-            advance = progress(f"{mode.label} @ {c}", max(len(texts), c))
-            before = probe.snapshot()
-            cpu_before = cpu.seconds() if cpu else None
-            records, wall = run_level(address, mode, texts, c, opts, advance)
-            cpu_s = cpu.seconds() - cpu_before if cpu else None
-            services = probe.delta(before, probe.snapshot())
-            outputs[(mode.key, c)] = records
-            alpha = (bench_report.per_token_alpha(records, mode.k, opts.max_new_tokens)
-                     if mode.k and not mode.disable else None)
-            summary = bench_report.summarize(records, wall)
-            rows.append({"mode": mode.key, "label": mode.label, "concurrency": c,
-                         **summary, "alpha": alpha,
-                         **bench_report.cpu_figures(cpu_s, summary["tokens"]),
-                         **gateway_figures(services.get("gateway")), "services": services,
-                         "settle_s": settle_s})
+        cells = list(enumerate([*gateway_modes, *peers]))
+        runs: dict[int, list[dict]] = {i: [] for i, _ in cells}
+        for rep in range(opts.repeat):  # each pass over the cells in the other order
+            for i, cell in cells if (level + rep) % 2 == 0 else cells[::-1]:
+                settle_s = wait_quiet()  # (the previous cell's engine may still be spinning)
+                tag = f" (run {rep + 1}/{opts.repeat})" if opts.repeat > 1 else ""
+                row = (_peer_row(*cell, texts, c, opts, progress, outputs, tag)
+                       if isinstance(cell, tuple) else
+                       _mode_row(address, cell, texts, c, opts, probe, cpu, progress, outputs,
+                                 tag))
+                runs[i].append({**row, "settle_s": settle_s})
+        rows += [bench_report.median_run(runs[i]) for i, _ in cells]
         if level == 0 and hf_modes and hf_pair is not None:
             rows += run_hf_rows(hf_pair, hf_modes, texts, opts, progress, outputs)
     base = bench_baselines.compare(rows, outputs)
@@ -169,15 +96,34 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     return {"rows": rows, "costs": costs, "baselines": baselines, "reference_outputs": reference}
 
 
+def _mode_row(address: str, mode: Mode, texts: list[str], c: int, opts: BenchOptions,
+              probe: ServiceProbe, cpu: ProcessCpu | None, progress, outputs: dict,
+              tag: str = "") -> dict:
+    """One run of a gateway mode's cell; its records join ``outputs``."""
+    advance = progress(f"{mode.label} @ {c}{tag}", max(len(texts), c))
+    before = probe.snapshot()
+    cpu_before = cpu.seconds() if cpu else None
+    records, wall = run_level(address, mode, texts, c, opts, advance)
+    cpu_s = cpu.seconds() - cpu_before if cpu else None
+    services = probe.delta(before, probe.snapshot())
+    outputs.setdefault((mode.key, c), []).extend(records)
+    alpha = (bench_report.per_token_alpha(records, mode.k, opts.max_new_tokens)
+             if mode.k and not mode.disable else None)
+    summary = bench_report.summarize(records, wall)
+    return {"mode": mode.key, "label": mode.label, "concurrency": c, **summary, "alpha": alpha,
+            **bench_report.cpu_figures(cpu_s, summary["tokens"]),
+            **gateway_figures(services.get("gateway")), "services": services}
+
+
 def _peer_row(peer: Peer, model: str, texts: list[str], c: int, opts: BenchOptions, progress,
-              outputs: dict) -> dict:
-    advance = progress(f"{peer.name} @ {c}", max(len(texts), c))
+              outputs: dict, tag: str = "") -> dict:
+    advance = progress(f"{peer.name} @ {c}{tag}", max(len(texts), c))
     cpu = ProcessCpu.serving(peer.url)  # found per cell: a peer may be restarted in between
     cpu_before = cpu.seconds() if cpu else None
     records, wall = run_peer_level(peer, model, texts, c, opts.max_new_tokens, opts.timeout_s,
                                    advance)
     cpu_s = cpu.seconds() - cpu_before if cpu else None
-    outputs[(peer.key, c)] = records
+    outputs.setdefault((peer.key, c), []).extend(records)
     summary = bench_report.summarize(records, wall)
     return {"mode": peer.key, "label": f"{peer.name} ({peer.url}, {model})", "concurrency": c,
             **summary, "alpha": None, **bench_report.cpu_figures(cpu_s, summary["tokens"]),
@@ -205,13 +151,6 @@ def run_hf_rows(pair: tuple[str, str], modes: list[Mode], texts: list[str], opts
                      **gateway_figures(None), "services": None, "hf_forward": res.forward,
                      "hf_assistant": res.assistant})
     return rows
-
-
-def stream_one_client(address: str, prompt: str, mode: Mode, opts: BenchOptions) -> dict:
-    from specmesh.client import GatewayClient
-
-    with GatewayClient(address) as client:
-        return stream_one(client, 0, prompt, mode, opts)
 
 
 def _shared_prefix(prompts: list[dict], target: str, tokens: int) -> tuple[list[dict], int]:
@@ -282,6 +221,10 @@ def bench(
                     "about N tokens (a long system prompt or document before a short "
                     "question), so prefix caches are put to the test; 0 = the prompts alone. "
                     "Prompt + --max-new-tokens must fit the target's context.")] = 0,
+    repeat: Annotated[int, typer.Option(
+        min=1, help="Run every (mode, concurrency) cell N times, each pass over a level's "
+                    "cells in the other order, and report each cell's run with the median "
+                    "tokens/s (every run's tokens/s in the runs column and bench.json).")] = 1,
     peer: Annotated[list[str] | None, typer.Option(
         help="NAME=URL of an OpenAI-compatible server (vLLM, llama.cpp's llama-server, ...) "
              "to run the same prompts against at every concurrency level, in the same run; "
@@ -326,7 +269,7 @@ def bench(
     except OSError as exc:
         raise typer.BadParameter(f"--peer: a peer does not answer at its /models: {exc}") from exc
     opts = BenchOptions(concurrency=levels, k=k, max_new_tokens=max_new_tokens, threads=threads,
-                        device=device, seed=seed, timeout_s=timeout)
+                        device=device, seed=seed, timeout_s=timeout, repeat=repeat)
     chosen = load_prompts(prompt_file or PROMPTS_PATH, prompts)
     mode_list = make_modes(keys, k)
     if not addr and not target:
@@ -373,6 +316,7 @@ def bench(
     report = {
         "machine": {**machine, "load_average_end": list(os.getloadavg())},
         "settings": {"concurrency": levels, "k": k, "max_new_tokens": max_new_tokens,
+                     "repeat": repeat,
                      "modes": keys, "threads": threads,
                      "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
                      "seed": seed, "shared_prefix_tokens": prefix_tokens,

@@ -42,7 +42,7 @@ class HfSetting:
 
 @dataclass
 class HfResult:
-    records: list[dict]  # the keys of specmesh.bench.stream_one's, "chunks" aside
+    records: list[dict]  # the keys of specmesh.bench_gateway.stream_one's, "chunks" aside
     wall_s: float  # the whole prompt set
     forward: dict  # {"target": {forward_passes, forward_ms}, "draft": {...} (assisted)}
     assistant: dict | None  # ASSISTANT_FIELDS as applied (assisted settings only)

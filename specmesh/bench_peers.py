@@ -66,7 +66,7 @@ def served_model(peer: Peer, timeout_s: float = 10.0) -> str:
 
 def complete_one(peer: Peer, model: str, prompt_index: int, prompt: str, max_new_tokens: int,
                  timeout_s: float) -> dict:
-    """One streamed completion, as a bench record (specmesh.bench.stream_one's shape)."""
+    """One streamed completion, as a bench record (specmesh.bench_gateway.stream_one's shape)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     rec = {"prompt_index": prompt_index, "token_ids": [], "text": "", "completion_tokens": 0,

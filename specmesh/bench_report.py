@@ -52,6 +52,18 @@ def cpu_figures(cpu_s: float | None, tokens: int) -> dict:
             "cpu_ms_per_token": ratio(None if cpu_s is None else cpu_s * 1000.0, tokens)}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """A cell's row from its runs (``--repeat``): the run with the median aggregate tokens/s
+    (the lower of the two middle ones for an even count, so the row is a run that happened),
+    with ``runs_tokens_per_s`` (every run's, in run order) and the errors of every run."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"] or 0.0)
+    row = dict(ranked[(len(ranked) - 1) // 2])
+    row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+    row["errors"] = sum(r["errors"] for r in runs)
+    row["error_details"] = sorted({d for r in runs for d in r["error_details"]})[:5]
+    return row
+
+
 def summarize(records: list[dict], wall_s: float) -> dict:
     """The figures of one cell from its request records (errored requests count nowhere but in
     ``errors``): aggregate tokens/s = completion tokens of all requests / wall time of the
@@ -152,7 +164,7 @@ def _pct(value: float | None) -> float | None:
     return None if value is None else value * 100
 
 
-ROW_COLUMNS = (("mode", None), ("concurrency", "d"), ("tokens/s", ".1f"),
+ROW_COLUMNS = (("mode", None), ("concurrency", "d"), ("tokens/s", ".1f"), ("runs", None),
                ("per-request tokens/s", ".1f"), ("speedup", ".2f"), ("vs target-only", ".2f"),
                ("tokens/round", ".2f"), ("acceptance", ".3f"), ("α", ".3f"),
                ("TTFT p50 (ms)", ".1f"), ("cache hit", ".0f"), ("fan-out", ".2f"),
@@ -162,7 +174,7 @@ ROW_COLUMNS = (("mode", None), ("concurrency", "d"), ("tokens/s", ".1f"),
 
 
 def row_cells(r: dict) -> list[str]:
-    return [r["label"], str(r["concurrency"]), fmt(r["tokens_per_s"], ".1f"),
+    return [r["label"], str(r["concurrency"]), fmt(r["tokens_per_s"], ".1f"), _runs(r),
             fmt(r["per_request_tokens_per_s"], ".1f"), fmt(r["speedup"], ".2f", "x"),
             fmt(r.get("vs_target"), ".2f", "x"), fmt(r["tokens_per_round"]),
             fmt(r["acceptance"], ".3f"), fmt(r.get("alpha"), ".3f"),
@@ -170,6 +182,12 @@ def row_cells(r: dict) -> list[str]:
             fmt(r.get("fanout")), fmt(r.get("gateway_ms_per_round"), ".3f"),
             fmt(_pct(prefix_hit(r)), ".0f", "%"), fmt(r.get("cpu_ms_per_token"), ".2f"),
             fmt(r["outputs_match"]), str(r["errors"])]
+
+
+def _runs(row: dict) -> str:
+    """The spread of a cell's runs' tokens/s (``--repeat``): "min-max (N)"; "" for one run."""
+    runs = [x for x in row.get("runs_tokens_per_s") or () if x is not None]
+    return f"{min(runs):.1f}-{max(runs):.1f} ({len(runs)})" if len(runs) > 1 else ""
 
 
 def prefix_hit(row: dict) -> float | None:

@@ -328,6 +328,29 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
         assert (out / name).read_bytes()[:8] == PNG
 
 
+def test_bench_repeats_each_cell_and_reports_its_median_run(tiny_pair, tmp_path):
+    """--repeat 3: every cell runs three times; its row is the run with the median tokens/s,
+    every run's tokens/s beside it (bench.json and the table's runs column), and every run's
+    outputs are compared with target-only's."""
+    target, draft = tiny_pair
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(app, ["bench", "--target", target, "--drafter", draft,
+                                      "--modes", "target,model", "--no-hf", "--concurrency",
+                                      "1,2", "--prompts", "2", "--max-new-tokens", "8",
+                                      "--repeat", "3", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["repeat"] == 3
+    assert {(r["mode"], r["concurrency"]) for r in report["rows"]} == {
+        (m, c) for m in ("target", "model") for c in (1, 2)}
+    for r in report["rows"]:
+        runs = r["runs_tokens_per_s"]
+        assert len(runs) == 3 and r["tokens_per_s"] == sorted(runs)[1]
+        assert r["requests"] == 2 and r["errors"] == 0 and r["outputs_match"] is True
+    md = (out / "bench.md").read_text()
+    assert "| mode | concurrency | tokens/s | runs |" in md and md.count(" (3) |") == 4
+
+
 def test_shared_prefix_prompts_start_with_one_context_of_the_asked_length(tiny_pair):
     from transformers import AutoTokenizer
 

@@ -188,8 +188,29 @@ def test_a_row_shows_na_for_missing_gateway_figures():
            "cache_hit": 0.85, "fanout": None, "gateway_ms_per_round": None,
            "outputs_match": True, "errors": 0}
     cells = row_cells(row)
-    assert cells[10:13] == ["85%", "n/a", "n/a"]
-    assert cells[4:6] == ["1.50x", "2.00x"]
+    assert cells[11:14] == ["85%", "n/a", "n/a"]
+    assert cells[5:7] == ["1.50x", "2.00x"]
+    assert cells[3] == ""  # one run: no spread
+    row["runs_tokens_per_s"] = [9.5, 10.0, 12.25]
+    assert row_cells(row)[3] == "9.5-12.2 (3)"
+
+
+def test_a_repeated_cell_reports_its_median_run_and_every_runs_errors():
+    """--repeat: the row is the run with the median tokens/s (the lower middle one for an even
+    count: a run that happened, with its own figures), every run's tokens/s in run order,
+    and the errors of all runs, so a failure in any run still fails the bench."""
+    from specmesh.bench_report import median_run
+
+    def run(tps, errors=0, detail=()):
+        return {"tokens_per_s": tps, "ttft_p50_ms": tps / 10, "errors": errors,
+                "error_details": list(detail)}
+
+    row = median_run([run(30.0), run(10.0, 1, ["UNAVAILABLE: x"]), run(20.0)])
+    assert row["tokens_per_s"] == 20.0 and row["ttft_p50_ms"] == 2.0  # the median run's own
+    assert row["runs_tokens_per_s"] == [30.0, 10.0, 20.0]
+    assert row["errors"] == 1 and row["error_details"] == ["UNAVAILABLE: x"]
+    assert median_run([run(40.0), run(10.0)])["tokens_per_s"] == 10.0  # the lower middle
+    assert median_run([run(7.0)])["runs_tokens_per_s"] == [7.0]
 
 
 def test_hf_threads():
