@@ -102,16 +102,19 @@ def _mode_row(address: str, mode: Mode, texts: list[str], c: int, opts: BenchOpt
     """One run of a gateway mode's cell; its records join ``outputs``."""
     advance = progress(f"{mode.label} @ {c}{tag}", max(len(texts), c))
     before = probe.snapshot()
-    cpu_before = cpu.seconds() if cpu else None
+    cpu_before = cpu.by_name() if cpu else None
     records, wall = run_level(address, mode, texts, c, opts, advance)
-    cpu_s = cpu.seconds() - cpu_before if cpu else None
+    by_process = ({name: s - cpu_before.get(name, 0.0) for name, s in cpu.by_name().items()}
+                  if cpu else None)
     services = probe.delta(before, probe.snapshot())
     outputs.setdefault((mode.key, c), []).extend(records)
     alpha = (bench_report.per_token_alpha(records, mode.k, opts.max_new_tokens)
              if mode.k and not mode.disable else None)
     summary = bench_report.summarize(records, wall)
     return {"mode": mode.key, "label": mode.label, "concurrency": c, **summary, "alpha": alpha,
-            **bench_report.cpu_figures(cpu_s, summary["tokens"]),
+            **bench_report.cpu_figures(sum(by_process.values()) if by_process else None,
+                                       summary["tokens"]),
+            "cpu_s_by_process": by_process,
             **gateway_figures(services.get("gateway")), "services": services}
 
 
@@ -294,7 +297,7 @@ def bench(
             addr = mesh.gateway_address
             probe = ServiceProbe(mesh.verifier_addresses, mesh.drafter_addresses,
                                  f"http://127.0.0.1:{metrics_port}/metrics")
-            cpu = ProcessCpu([p.popen.pid for p in mesh.procs])
+            cpu = ProcessCpu([p.popen.pid for p in mesh.procs], [p.name for p in mesh.procs])
         names = {"target": target, "draft": drafter}
         for role, kind, addresses in (("target", "verifier", probe.verifiers),
                                       ("draft", "drafter", probe.drafters["model"])):

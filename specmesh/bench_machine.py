@@ -80,8 +80,9 @@ class ProcessCpu:
     parent's); the difference of two calls is what they used in between. Only a root process
     that ends in between takes its time with it: the bench's mesh lives for the whole run."""
 
-    def __init__(self, pids: list[int]) -> None:
+    def __init__(self, pids: list[int], names: list[str] | None = None) -> None:
         self.pids = list(pids)
+        self.names = list(names) if names is not None else [str(pid) for pid in self.pids]
 
     @classmethod
     def serving(cls, url: str) -> ProcessCpu | None:
@@ -105,11 +106,16 @@ class ProcessCpu:
         return cls(sorted(pids)) if pids else None
 
     def seconds(self) -> float:
+        return sum(self.by_name().values())
+
+    def by_name(self) -> dict[str, float]:
+        """The seconds of each root process (by its name) with its descendants."""
         import psutil
 
         seen: set[int] = set()
-        total = 0.0
-        for pid in self.pids:
+        out: dict[str, float] = {}
+        for pid, name in zip(self.pids, self.names, strict=True):
+            out[name] = 0.0
             try:
                 root = psutil.Process(pid)
                 procs = [root, *root.children(recursive=True)]
@@ -124,5 +130,5 @@ class ProcessCpu:
                 except psutil.NoSuchProcess:
                     continue
                 # children_*: those of its children that ended and were waited for
-                total += t.user + t.system + t.children_user + t.children_system
-        return total
+                out[name] += t.user + t.system + t.children_user + t.children_system
+        return out

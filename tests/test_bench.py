@@ -176,11 +176,14 @@ def test_process_cpu_counts_a_process_and_its_descendants():
     proc = subprocess.Popen([sys.executable, "-c", child])
     idle = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(30)"])
     try:
-        cpu = ProcessCpu([proc.pid])
-        before = cpu.seconds()  # the interpreters' start-up is counted before, mostly
+        cpu = ProcessCpu([proc.pid, idle.pid], ["spinner", "sleeper"])
+        before = cpu.by_name()  # the interpreters' start-up is counted before, mostly
         time.sleep(3.0)  # two spins of 0.6 s on two cores, or one after the other on one
-        used = cpu.seconds() - before
+        after = cpu.by_name()
+        used = after["spinner"] - before["spinner"]
         assert 0.9 <= used <= 1.6, used
+        assert after["sleeper"] - before["sleeper"] < 0.05
+        assert cpu.seconds() == pytest.approx(sum(cpu.by_name().values()), abs=0.05)
         quiet = ProcessCpu([idle.pid])
         first = quiet.seconds()
         time.sleep(0.5)
@@ -291,6 +294,10 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
             # the mesh's processes worked for the cell: some CPU, at most every core's wall
             assert 0 < r["cpu_s"] <= r["wall_s"] * report["machine"]["cores"] + 0.5
             assert r["cpu_ms_per_token"] == pytest.approx(r["cpu_s"] * 1000 / r["tokens"])
+            by = r["cpu_s_by_process"]  # where it went: every process of the mesh, by name
+            assert set(by) == {"redis", "verifier-0", "drafter-0", "ngram-0", "gateway"}
+            assert sum(by.values()) == pytest.approx(r["cpu_s"])
+            assert by["verifier-0"] > 0 and by["gateway"] > 0
         else:
             assert r.get("cpu_ms_per_token") is None
     for c in (1, 2):
