@@ -31,8 +31,12 @@ class SessionCache:
     kv: Any  # a DynamicCache or SlabCache (services/kv_slab.py); holds len(tokens) positions
     last_used: float = field(default_factory=time.monotonic)
     published: int = 0  # leading tokens whose blocks are in the prefix cache
-    chain: int = 0  # the hash of the last of those blocks (0: none)
     hashes: list[int] = field(default_factory=list)  # each of those blocks' chained hash
+
+    @property
+    def chain(self) -> int:
+        """The hash of the last published block (0: none), which the next one chains to."""
+        return self.hashes[-1] if self.hashes else 0
 
     def unfed(self, base_len: int, new_tokens: Sequence[int]) -> list[int]:
         """What a call that sent ``new_tokens`` after ``base_len`` still has to feed after its
@@ -111,7 +115,7 @@ class SessionCaches:
         else:
             entry.crop(base_len)
             if entry.published > base_len:  # a committed tail was taken back: re-walk
-                entry.published, entry.chain, entry.hashes = 0, 0, []
+                entry.published, entry.hashes = 0, []
         self._remove(session_id)
         self._busy.add(session_id)
         try:
@@ -133,7 +137,7 @@ class SessionCaches:
             restore(entry.kv, blocks)
             entry.published = len(blocks) * self.prefix.block
             entry.tokens = list(tokens[:entry.published])
-            entry.chain, entry.hashes = hashes[-1], list(hashes)
+            entry.hashes = list(hashes)
 
     def _publish(self, entry: SessionCache, committed: int) -> None:
         """Publishes the full blocks of the first ``committed`` tokens not yet published."""
@@ -141,9 +145,8 @@ class SessionCaches:
         end = min(committed, len(entry.tokens))
         while entry.published + block <= end:
             start = entry.published
-            entry.chain = self.prefix.insert(entry.chain, entry.tokens[start:start + block],
-                                             entry.kv, start)
-            entry.hashes.append(entry.chain)
+            entry.hashes.append(self.prefix.insert(entry.chain, entry.tokens[start:start + block],
+                                                   entry.kv, start))
             entry.published += block
 
     def total_tokens(self) -> int:
