@@ -96,25 +96,31 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     return {"rows": rows, "costs": costs, "baselines": baselines, "reference_outputs": reference}
 
 
+def _cpu_during(cpu: ProcessCpu | None, work):
+    """(what ``work()`` returns, the CPU seconds each of ``cpu``'s processes used meanwhile,
+    by name; None without processes to measure)."""
+    if cpu is None:
+        return work(), None
+    before = cpu.by_name()
+    result = work()
+    return result, {name: s - before.get(name, 0.0) for name, s in cpu.by_name().items()}
+
+
 def _mode_row(address: str, mode: Mode, texts: list[str], c: int, opts: BenchOptions,
               probe: ServiceProbe, cpu: ProcessCpu | None, progress, outputs: dict,
               tag: str = "") -> dict:
     """One run of a gateway mode's cell; its records join ``outputs``."""
     advance = progress(f"{mode.label} @ {c}{tag}", max(len(texts), c))
     before = probe.snapshot()
-    cpu_before = cpu.by_name() if cpu else None
-    records, wall = run_level(address, mode, texts, c, opts, advance)
-    by_process = ({name: s - cpu_before.get(name, 0.0) for name, s in cpu.by_name().items()}
-                  if cpu else None)
+    (records, wall), by_process = _cpu_during(
+        cpu, lambda: run_level(address, mode, texts, c, opts, advance))
     services = probe.delta(before, probe.snapshot())
     outputs.setdefault((mode.key, c), []).extend(records)
     alpha = (bench_report.per_token_alpha(records, mode.k, opts.max_new_tokens)
              if mode.k and not mode.disable else None)
     summary = bench_report.summarize(records, wall)
     return {"mode": mode.key, "label": mode.label, "concurrency": c, **summary, "alpha": alpha,
-            **bench_report.cpu_figures(sum(by_process.values()) if by_process else None,
-                                       summary["tokens"]),
-            "cpu_s_by_process": by_process,
+            **bench_report.cpu_figures(by_process, summary["tokens"]),
             **gateway_figures(services.get("gateway")), "services": services}
 
 
@@ -122,14 +128,12 @@ def _peer_row(peer: Peer, model: str, texts: list[str], c: int, opts: BenchOptio
               outputs: dict, tag: str = "") -> dict:
     advance = progress(f"{peer.name} @ {c}{tag}", max(len(texts), c))
     cpu = ProcessCpu.serving(peer.url)  # found per cell: a peer may be restarted in between
-    cpu_before = cpu.seconds() if cpu else None
-    records, wall = run_peer_level(peer, model, texts, c, opts.max_new_tokens, opts.timeout_s,
-                                   advance)
-    cpu_s = cpu.seconds() - cpu_before if cpu else None
+    (records, wall), by_process = _cpu_during(cpu, lambda: run_peer_level(
+        peer, model, texts, c, opts.max_new_tokens, opts.timeout_s, advance))
     outputs.setdefault((peer.key, c), []).extend(records)
     summary = bench_report.summarize(records, wall)
     return {"mode": peer.key, "label": f"{peer.name} ({peer.url}, {model})", "concurrency": c,
-            **summary, "alpha": None, **bench_report.cpu_figures(cpu_s, summary["tokens"]),
+            **summary, "alpha": None, **bench_report.cpu_figures(by_process, summary["tokens"]),
             **gateway_figures(None), "services": None}
 
 

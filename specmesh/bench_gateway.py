@@ -57,7 +57,7 @@ def stream_one(client, prompt_index: int, prompt: str, mode: Mode, opts: BenchOp
 
 def run_level(address: str, mode: Mode, prompts: list[str], concurrency: int,
               opts: BenchOptions, advance=None) -> tuple[list[dict], float]:
-    """One cell: ``concurrency`` workers over max(P, concurrency) requests (see the module
+    """One cell: ``concurrency`` workers over max(P, concurrency) requests (specmesh.bench's
     docstring). Returns the records (sorted by prompt) and the wall time."""
     n = max(len(prompts), concurrency)
     return run_workers(

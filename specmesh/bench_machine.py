@@ -75,9 +75,9 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 class ProcessCpu:
     """CPU seconds (user + system, every thread) used by some processes and their descendants:
     the local mesh's Redis, verifiers, drafters and gateway, for the bench's CPU per generated
-    token. ``seconds()`` sums what the processes alive at the call have used since they
-    started, with what their ended and reaped children used (the kernel adds that to the
-    parent's); the difference of two calls is what they used in between. Only a root process
+    token. ``by_name()`` gives what each process alive at the call (with its descendants) has
+    used since it started, with what its ended and reaped children used (the kernel adds
+    that to the parent's); the difference of two calls is what they used in between. Only a root process
     that ends in between takes its time with it: the bench's mesh lives for the whole run."""
 
     def __init__(self, pids: list[int], names: list[str] | None = None) -> None:
@@ -104,9 +104,6 @@ class ProcessCpu:
         except psutil.AccessDenied:
             return None
         return cls(sorted(pids)) if pids else None
-
-    def seconds(self) -> float:
-        return sum(self.by_name().values())
 
     def by_name(self) -> dict[str, float]:
         """The seconds of each root process (by its name) with its descendants."""

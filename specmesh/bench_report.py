@@ -45,10 +45,11 @@ def per_token_alpha(records: list[dict], k: int, max_new_tokens: int) -> float |
     return ratio(accepted, accepted + rejected)
 
 
-def cpu_figures(cpu_s: float | None, tokens: int) -> dict:
-    """A cell's CPU seconds (every process of the engine it measured, psutil) and CPU
-    milliseconds per generated token; None where the processes were not known."""
-    return {"cpu_s": cpu_s,
+def cpu_figures(by_process: dict[str, float] | None, tokens: int) -> dict:
+    """A cell's CPU seconds (every process of the engine it measured, psutil, by name and in
+    all) and CPU milliseconds per generated token; None where the processes were not known."""
+    cpu_s = sum(by_process.values()) if by_process is not None else None
+    return {"cpu_s": cpu_s, "cpu_s_by_process": by_process,
             "cpu_ms_per_token": ratio(None if cpu_s is None else cpu_s * 1000.0, tokens)}
 
 
