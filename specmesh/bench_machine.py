@@ -77,8 +77,9 @@ class ProcessCpu:
     the local mesh's Redis, verifiers, drafters and gateway, for the bench's CPU per generated
     token. ``by_name()`` gives what each process alive at the call (with its descendants) has
     used since it started, with what its ended and reaped children used (the kernel adds
-    that to the parent's); the difference of two calls is what they used in between. Only a root process
-    that ends in between takes its time with it: the bench's mesh lives for the whole run."""
+    that to the parent's); the difference of two calls is what they used in between. Only a
+    root process that ends in between takes its time with it: the bench's mesh lives for the
+    whole run."""
 
     def __init__(self, pids: list[int], names: list[str] | None = None) -> None:
         self.pids = list(pids)
