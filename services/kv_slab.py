@@ -9,20 +9,105 @@ length back. Only the lean forward (services/lean_llama.py) uses it: it calls ju
 ``update`` and ``get_seq_length``; the drafter's tree also ``crop``s its branches off. The
 micro-batching code (services/batching.py) and the round-loop tests' table model read
 ``layers[i].keys`` / ``.values``, which are views of the live positions.
+
+On a CPU a cache can live in a slot of a ``KVPool``: per layer, the slots' keys (and values)
+are rows of one buffer [slots, KV, slot_len, D], so a pass over many sessions reads and
+writes all of their caches with one call per layer (services/pooled_attention.py) instead
+of one per session. A pooled cache behaves as any other; one that outgrows its slot moves to
+a buffer of its own (the slot is then no longer read), and the slot returns to the pool when
+the cache is garbage (``weakref.finalize``: a slot is never handed out while a cache that
+may still write it lives).
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 
 CHUNK = 256  # positions a full buffer grows by
 
 
+class KVPool:
+    """Slots of ``slot_len`` KV positions for every layer, allocated ``segment`` slots at a
+    time up to ``max_slots``: segment s holds, per layer, keys and values [segment, KV,
+    slot_len, D]. ``torch.empty`` on the CPU takes address space, not memory: a page is
+    backed once a cache writes it, so slots cost what their sessions actually held at most.
+    The lowest free slot goes first, which keeps the slots of the running sessions close
+    together (a pass reads the span between its lowest and highest slot)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slot_len: int,
+                 segment: int = 16, max_slots: int = 256, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if slot_len < 1 or segment < 1 or max_slots < 1:
+            raise ValueError("slot_len, segment and max_slots must be >= 1")
+        self.num_layers, self.slot_len, self.segment = num_layers, slot_len, segment
+        self._shape = (segment, kv_heads, slot_len, head_dim)
+        self._dtype, self._device = dtype, torch.device(device)
+        self._max_slots = max_slots
+        self.segments: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # [seg][layer]
+        self._free: list[int] = []  # slots released, reused before a new one is made
+        self._clean = [0] * max_slots  # per slot: positions that hold numbers (written or 0)
+        self._made = 0
+        self._lock = threading.Lock()  # released from whichever thread drops a cache
+
+    @property
+    def in_use(self) -> int:
+        return self._made - len(self._free)
+
+    def acquire(self) -> int | None:
+        """A free slot, or None when all ``max_slots`` are in use."""
+        with self._lock:
+            if self._free:
+                self._free.sort(reverse=True)
+                return self._free.pop()
+            if self._made >= self._max_slots:
+                return None
+            if self._made == len(self.segments) * self.segment:
+                # normal tensors even when a slot is first taken inside inference mode: a
+                # prefix-cache restore writes them outside it
+                with torch.inference_mode(False):
+                    self.segments.append([
+                        (torch.empty(self._shape, dtype=self._dtype, device=self._device),
+                         torch.empty(self._shape, dtype=self._dtype, device=self._device))
+                        for _ in range(self.num_layers)])
+            self._made += 1
+            return self._made - 1
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def ready(self, slot: int, live: int, length: int) -> None:
+        """Makes positions [0, length) of ``slot``, whose cache holds ``live`` positions,
+        hold numbers in every layer: a padded pass masks the positions past a row's own
+        length, but a masked NaN (memory never written) would still turn its row's softmax
+        into NaN. Zeroes each position past the live ones once."""
+        clean = max(self._clean[slot], live)
+        if clean < length:
+            for layer in range(self.num_layers):
+                keys, values = self.buffers(slot, layer)
+                keys[:, :, clean:length] = 0
+                values[:, :, clean:length] = 0
+        self._clean[slot] = max(clean, length)
+
+    def buffers(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's keys and values for ``layer``: views [1, KV, slot_len, D]."""
+        keys, values = self.segments[slot // self.segment][layer]
+        i = slot % self.segment
+        return keys[i:i + 1], values[i:i + 1]
+
+
 class SlabLayer:
-    def __init__(self, chunk: int = CHUNK) -> None:
+    def __init__(self, chunk: int = CHUNK,
+                 slot: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``slot``: a pool slot's keys and values ([1, KV, slot_len, D] views) to write in
+        place until they are full; None: a buffer of its own from the first write on."""
         self._chunk = chunk
-        self._keys: torch.Tensor | None = None  # [B, KV, capacity, D]
-        self._values: torch.Tensor | None = None
+        self._keys: torch.Tensor | None = None if slot is None else slot[0]  # [B, KV, cap, D]
+        self._values: torch.Tensor | None = None if slot is None else slot[1]
+        self.pooled = slot is not None  # still writing the pool's slot
         self.length = 0
 
     @property
@@ -52,6 +137,7 @@ class SlabLayer:
                 grown_k[:, :, :self.length] = self._keys[:, :, :self.length]
                 grown_v[:, :, :self.length] = self._values[:, :, :self.length]
             self._keys, self._values = grown_k, grown_v
+            self.pooled = False
         self._keys[:, :, self.length:end] = keys
         self._values[:, :, self.length:end] = values
         self.length = end
@@ -60,10 +146,26 @@ class SlabLayer:
 
 class SlabCache:
     """One ``SlabLayer`` per decoder layer; the interface the lean forward and the batching
-    code use, with ``DynamicCache``'s meaning of ``crop``."""
+    code use, with ``DynamicCache``'s meaning of ``crop``. With a ``pool`` that has a free
+    slot, the layers write that slot."""
 
-    def __init__(self, num_layers: int, chunk: int = CHUNK) -> None:
-        self.layers = [SlabLayer(chunk) for _ in range(num_layers)]
+    def __init__(self, num_layers: int, chunk: int = CHUNK, pool: KVPool | None = None) -> None:
+        self.pool = pool
+        self._slot = None if pool is None else pool.acquire()
+        if self._slot is None:
+            self.pool = None
+            self.layers = [SlabLayer(chunk) for _ in range(num_layers)]
+        else:
+            self.layers = [SlabLayer(chunk, pool.buffers(self._slot, i))
+                           for i in range(num_layers)]
+            weakref.finalize(self, pool.release, self._slot)
+
+    @property
+    def slot(self) -> int | None:
+        """The pool slot every layer still writes, or None (no pool, or outgrown)."""
+        if self._slot is None or not all(layer.pooled for layer in self.layers):
+            return None
+        return self._slot
 
     def update(self, keys: torch.Tensor, values: torch.Tensor,
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,8 +41,12 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from services import pooled_attention
 from services.config import FORWARD_MODES
-from services.kv_slab import SlabCache
+from services.kv_slab import KVPool, SlabCache
+
+POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
+POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
 
 
 def unsupported_reason(model) -> str:
@@ -153,6 +157,12 @@ class LeanLlama(torch.nn.Module):
                 gate_up=_Linear(_fuse(mlp.gate_proj, mlp.up_proj), self.packed),
                 down=_Linear(mlp.down_proj.weight, self.packed)))
         self._lm_head = _Linear(model.lm_head.weight, self.packed)
+        weight = model.lm_head.weight
+        # on a CPU, caches are slots of one pool (a pass attends over many in one call);
+        # elsewhere a slot's memory would be taken at once, not as it is written
+        self.pool = KVPool(c.num_hidden_layers, self._kv_heads, self._head_dim,
+                           min(c.max_position_embeddings, POOL_SLOT_CAP), dtype=weight.dtype,
+                           device=weight.device) if weight.device.type == "cpu" else None
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -179,8 +189,21 @@ class LeanLlama(torch.nn.Module):
         return mask.repeat(*([1] * (mask.dim() - 2)), group, 1)
 
     def new_cache(self) -> SlabCache:
-        """An empty KV cache for this model, written in place (services/kv_slab.py)."""
-        return SlabCache(self.config.num_hidden_layers)
+        """An empty KV cache for this model, written in place (services/kv_slab.py): a slot
+        of the model's pool while one is free."""
+        return SlabCache(self.config.num_hidden_layers, pool=self.pool)
+
+    def _pooled(self, rows, grouped: set[int]) -> list[int]:
+        """The rows whose attention runs per segment of the pool: decode and verify rows
+        (at most ``POOL_ROW_MAX`` new tokens) whose caches are in a slot of this model's pool
+        with room for them, not attended by cascade."""
+        if self.pool is None:
+            return []
+        limit = self.pool.slot_len
+        return [b for b, r in enumerate(rows)
+                if b not in grouped and len(r.tokens) <= POOL_ROW_MAX
+                and getattr(r.kv, "pool", None) is self.pool
+                and r.kv.slot is not None and r.start + len(r.tokens) <= limit]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -312,12 +335,16 @@ class LeanLlama(torch.nn.Module):
         x = self.hf.model.embed_tokens(ids)  # [1, T, h]
         cos, sin = self.hf.model.rotary_emb(x, positions)  # [1, T, D]
         cos, sin = cos[0][None], sin[0][None]  # [1, T, D], broadcast over heads
-        masks = [None if m == 1 else  # one query sees every key: no mask needed
-                 self._group_mask(torch.ones(m, r.start + m, dtype=torch.bool,
-                                             device=dev).tril(diagonal=r.start))
-                 for r, m in zip(rows, sizes, strict=True)]  # [G m_b, L_b + m_b]
         groups = [(idx, p) for idx, p in shared if dev.type == "cpu"]
         grouped = {b for idx, _ in groups for b in idx}
+        pooled = set(self._pooled(rows, grouped))
+        plans = pooled_attention.plan(rows, sorted(pooled), starts, self.pool, H // KV, dev)
+        alone = [b for b in range(len(rows)) if b not in grouped and b not in pooled]
+        masks = {b: None if sizes[b] == 1 else  # one query sees every key: no mask needed
+                 self._group_mask(torch.ones(sizes[b], rows[b].start + sizes[b],
+                                             dtype=torch.bool, device=dev
+                                             ).tril(diagonal=rows[b].start))
+                 for b in sorted(grouped) + alone}  # [G m_b, L_b + m_b]
         suffix_masks = {b: None if masks[b] is None else torch.zeros(
             masks[b][:, p:].shape, device=dev).masked_fill_(~masks[b][:, p:], float("-inf"))
             for idx, p in groups for b in idx}  # additive [G m_b, L_b + m_b - P]
@@ -329,25 +356,29 @@ class LeanLlama(torch.nn.Module):
             v = v.view(T, KV, D).transpose(0, 1)
             q = q * cos + self._rotate_half(q) * sin
             k = k * cos + self._rotate_half(k) * sin
-            out: list = [None] * len(rows)
+            attn = q.new_empty(H, T, D)
+            for p in plans:  # one call per pool segment for all of its rows
+                attn[:, p.tok] = pooled_attention.attend(
+                    p, self.pool.segments[p.segment][i], q, k, v)  # [H, P, D]
             cached = {}
-            for b, (r, s, e, mask) in enumerate(zip(rows, starts, ends, masks, strict=True)):
+            for b in sorted(grouped) + alone:
+                r, s, e = rows[b], starts[b], ends[b]
                 keys, values = r.kv.update(k[None, :, s:e], v[None, :, s:e], i)  # [1, KV, L+m, D]
                 if b in grouped:
                     cached[b] = (keys, values)
                 else:
-                    out[b] = self._attend(q[None, :, s:e], keys, values, mask)[0]  # [H, m, D]
+                    attn[:, s:e] = self._attend(q[None, :, s:e], keys, values, masks[b])[0]
             for idx, p in groups:
                 for b, o in zip(idx, self._cascade(q, [cached[b] for b in idx],
                                                    [(starts[b], ends[b]) for b in idx],
                                                    [suffix_masks[b] for b in idx], p),
                                 strict=True):
-                    out[b] = o
-            attn = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [H, T, D]
+                    attn[:, starts[b]:ends[b]] = o  # [H, m, D]
             x = x + w.o(attn.transpose(0, 1).reshape(1, T, H * D))
             h = self._rms(x, w.ln2)
             gate, up = w.gate_up(h).split([self._inter, self._inter], dim=-1)
             x = x + w.down(F.silu(gate) * up)
+        pooled_attention.advance(rows, plans)
         wanted = torch.tensor([j for r, e in zip(rows, ends, strict=True)
                                for j in range(e - r.keep, e)], device=dev)  # [K] with logits
         x = self._rms(x[:, wanted], self.hf.model.norm.weight)  # [1, K, h]

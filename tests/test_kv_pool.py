@@ -1,0 +1,122 @@
+"""KV caches as slots of one pool (services/kv_slab.py KVPool) and the pass that attends over
+many of them with one call per layer (services/pooled_attention.py).
+
+Real models (the tiny target built by the fixtures, the committed demo target with grouped
+queries), each row checked against transformers' own forward on its own DynamicCache.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from services import pooled_attention
+from services.batching import Row, forward_one, forward_rows
+from services.kv_slab import KVPool, SlabCache
+from services.lean_llama import POOL_ROW_MAX, LeanLlama
+
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+def _pool(slot_len: int = 64, segment: int = 4, max_slots: int = 6) -> KVPool:
+    return KVPool(num_layers=2, kv_heads=1, head_dim=2, slot_len=slot_len, segment=segment,
+                  max_slots=max_slots)
+
+
+def test_slots_go_lowest_first_come_back_when_the_cache_is_garbage_and_are_bounded():
+    pool = _pool()
+    caches = [SlabCache(2, pool=pool) for _ in range(6)]
+    assert [c.slot for c in caches] == list(range(6)) and len(pool.segments) == 2
+    extra = SlabCache(2, pool=pool)  # all 6 in use: a buffer of its own
+    assert extra.slot is None and extra.pool is None and pool.in_use == 6
+    del caches[4], caches[1]
+    gc.collect()
+    assert pool.in_use == 4
+    assert [SlabCache(2, pool=pool).slot for _ in range(1)] == [1]  # lowest free first
+    gc.collect()
+    again = SlabCache(2, pool=pool), SlabCache(2, pool=pool)
+    assert sorted(c.slot for c in again) == [1, 4] and len(pool.segments) == 2
+
+
+def test_a_pooled_cache_writes_its_slot_in_place_and_leaves_it_when_outgrown():
+    pool = _pool(slot_len=4)
+    cache = SlabCache(2, chunk=4, pool=pool)
+    step = [torch.full((1, 1, 1, 2), float(i)) for i in range(6)]  # [B, KV, 1, D]
+    for i in range(3):
+        cache.update(step[i], step[i] * 10, 0)
+    buffer_keys, _ = pool.buffers(cache.slot, 0)
+    assert buffer_keys[0, 0, :3, 0].tolist() == [0.0, 1.0, 2.0]  # the slot itself
+    cache.crop(-1)
+    keys, values = cache.update(step[5], step[5] * 10, 0)
+    assert keys[0, 0, :, 0].tolist() == [0.0, 1.0, 5.0] and values[0, 0, -1, 0] == 50.0
+    for i in (3, 4):  # 4 positions fill the slot, the 5th moves layer 0 to its own buffer
+        keys, _ = cache.update(step[i], step[i], 0)
+    assert cache.slot is None and not cache.layers[0].pooled and cache.layers[1].pooled
+    assert keys[0, 0, :, 0].tolist() == [0.0, 1.0, 5.0, 3.0, 4.0]
+
+
+@pytest.fixture(scope="module", params=["tiny-target", "demo-target"])
+def models(request, tiny_pair):
+    path = {"tiny-target": tiny_pair[0], "demo-target": "models/demo-target"}[request.param]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, LeanLlama(twin, pack=True)
+
+
+def _ids(model, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist()
+
+
+def test_rows_in_slots_attend_per_segment_and_match_each_row_alone(models, monkeypatch):
+    """Rows in two pool segments, with free slots between them, of 1-4 new tokens and pasts
+    of 0-60 positions, beside a row whose cache has no slot, a prompt row (more than
+    POOL_ROW_MAX tokens) and a row that outgrows its slot in this pass: each row's logits
+    equal that row run alone through HF, its cache holds HF's keys, and the pooled rows
+    were attended with one call per segment and layer. A wrong slot, position, padding or
+    mask shows here, and so does a masked position never written (NaN reaches a softmax
+    through a mask)."""
+    hf, lean = models
+    c = hf.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    monkeypatch.setattr(lean, "pool", KVPool(c.num_hidden_layers, kv_heads, head_dim,
+                                             slot_len=64, segment=4, max_slots=8))
+    plan = [(23, 3), (5, 1), (0, 4), (60, 2), (40, 1), (33, POOL_ROW_MAX + 4), (61, 4),
+            (12, 1)]  # (past, new): row 6 outgrows its 64-position slot
+    spare = [lean.new_cache() for _ in range(8)]  # slots 0-7, two segments
+    for segment in lean.pool.segments:  # memory never written may hold anything, even NaN
+        for keys, values in segment:
+            keys.fill_(float("nan"))
+            values.fill_(float("nan"))
+    held = {0: 2, 1: 3, 2: 5, 3: 7, 4: 1, 5: 6, 6: 4}  # row -> slot; 0 stays free
+    hf_rows, lean_rows = [], []
+    for b, (past, new) in enumerate(plan):
+        kv_hf = DynamicCache(config=hf.config)
+        kv_lean = spare[held[b]] if b in held else SlabCache(c.num_hidden_layers)
+        prefix, step = _ids(hf, past, 10 + b), _ids(hf, new, 20 + b)
+        if past:
+            forward_one(hf, Row(tokens=prefix, kv=kv_hf, start=0, keep=1), "cpu")
+            forward_one(lean, Row(tokens=prefix, kv=kv_lean, start=0, keep=1), "cpu")
+        hf_rows.append(Row(tokens=step, kv=kv_hf, start=past, keep=new))
+        lean_rows.append(Row(tokens=step, kv=kv_lean, start=past, keep=new))
+    assert lean_rows[7].kv.slot is None and lean_rows[3].kv.slot == 7
+    calls = []
+    attend = pooled_attention.attend
+    monkeypatch.setattr(pooled_attention, "attend",
+                        lambda p, *a: calls.append((p.segment, p.rows)) or attend(p, *a))
+    refs = [forward_one(hf, row, "cpu") for row in hf_rows]
+    got = forward_rows(lean, lean_rows, "cpu", lambda: None)
+    per_layer = [(0, [0, 1, 4]), (1, [2, 3])]  # slots 2, 3, 1 and 5, 7; rows 5 (prompt), 6, 7 attend alone
+    assert calls == per_layer * c.num_hidden_layers
+    assert lean_rows[6].kv.slot is None  # outgrown: now a buffer of its own
+    for (past, new), ref, out, row, hf_row in zip(plan, refs, got, lean_rows, hf_rows,
+                                                  strict=True):
+        torch.testing.assert_close(out, ref, **TOL)
+        assert row.kv.get_seq_length() == past + new
+        for ref_layer, layer in zip(hf_row.kv.layers, row.kv.layers, strict=True):
+            torch.testing.assert_close(layer.keys, ref_layer.keys, **TOL)
+            torch.testing.assert_close(layer.values, ref_layer.values, **TOL)
