@@ -12,7 +12,7 @@ micro-batching code (services/batching.py) and the round-loop tests' table model
 
 On a CPU a cache can live in a slot of a ``KVPool``: per layer, the slots' keys (and values)
 are rows of one buffer [slots, KV, slot_len, D], so a pass over many sessions reads and
-writes all of their caches with one call per layer (services/pooled_attention.py) instead
+writes all of their caches with one call per layer (services/ragged_attention.py) instead
 of one per session. A pooled cache behaves as any other; one that outgrows its slot moves to
 a buffer of its own (the slot is then no longer read), and the slot returns to the pool when
 the cache is garbage (``weakref.finalize``: a slot is never handed out while a cache that

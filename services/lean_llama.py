@@ -41,7 +41,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from services import pooled_attention
+from services import ragged_attention
 from services.config import FORWARD_MODES
 from services.kv_slab import KVPool, SlabCache
 
@@ -193,15 +193,15 @@ class LeanLlama(torch.nn.Module):
         of the model's pool while one is free."""
         return SlabCache(self.config.num_hidden_layers, pool=self.pool)
 
-    def _pooled(self, rows, grouped: set[int]) -> list[int]:
+    def _pooled(self, rows) -> list[int]:
         """The rows whose attention runs per segment of the pool: decode and verify rows
         (at most ``POOL_ROW_MAX`` new tokens) whose caches are in a slot of this model's pool
-        with room for them, not attended by cascade."""
+        with room for them."""
         if self.pool is None:
             return []
         limit = self.pool.slot_len
         return [b for b, r in enumerate(rows)
-                if b not in grouped and len(r.tokens) <= POOL_ROW_MAX
+                if len(r.tokens) <= POOL_ROW_MAX
                 and getattr(r.kv, "pool", None) is self.pool
                 and r.kv.slot is not None and r.start + len(r.tokens) <= limit]
 
@@ -264,45 +264,6 @@ class LeanLlama(torch.nn.Module):
         x = self._rms(x[:, -keep:], self.hf.model.norm.weight)
         return LeanOutput(logits=self._lm_head(x))  # [B, keep, V]
 
-    @staticmethod
-    def _attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of grouped queries q [1, KV, n, D] over keys/values [1, KV, L, D] with
-        its log-sum-exp: ([1, KV, n, D], [1, KV, n]); ``mask`` [n, L] added to the scores
-        (0 or -inf) or None. PyTorch's CPU flash kernel, which SDPA runs, returns both."""
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, keys, values, 0.0, False, attn_mask=mask)
-        return out, lse
-
-    def _cascade(self, q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                 spans: list[tuple[int, int]], masks: list, shared: int) -> list[torch.Tensor]:
-        """Attention for rows whose caches begin with the same ``shared`` positions (cascade
-        attention): every row's queries attend to that prefix in ONE call, over the first
-        row's copy, read once instead of once per row; each row's queries attend to the
-        rest of its own cache alone; the two parts merge by their log-sum-exps:
-
-            o = o_p * exp(lse_p - lse) + o_s * exp(lse_s - lse),  lse = logaddexp(lse_p, lse_s)
-
-        q [H, T, D] (the pass's queries), kv per row its cache (keys, values) [1, KV, L, D],
-        spans per row its tokens [s, e) in T, masks per row its suffix mask (additive [G m,
-        L - shared] or None). Returns per row [H, m, D]."""
-        H, _, D = q.shape
-        KV = kv[0][0].shape[1]
-        grouped = [q[None, :, s:e].reshape(1, KV, (H // KV) * (e - s), D) for s, e in spans]
-        keys, values = kv[0]
-        o_p, lse_p = self._attend_lse(torch.cat(grouped, dim=2), keys[:, :, :shared],
-                                      values[:, :, :shared], None)  # [1, KV, N, D], [1, KV, N]
-        parts = [self._attend_lse(g, k[:, :, shared:], v[:, :, shared:], mask)
-                 for g, (k, v), mask in zip(grouped, kv, masks, strict=True)]
-        o_s = torch.cat([o for o, _ in parts], dim=2)
-        lse_s = torch.cat([lse for _, lse in parts], dim=2)
-        lse = torch.logaddexp(lse_p, lse_s)
-        out = (o_p * (lse_p - lse).exp()[..., None]
-               + o_s * (lse_s - lse).exp()[..., None]).to(q.dtype)  # (lse is float32)
-        sizes = [(H // KV) * (e - s) for s, e in spans]
-        return [o.reshape(H, e - s, D) for o, (s, e) in
-                zip(out[0].split(sizes, dim=1), spans, strict=True)]
-
     @torch.inference_mode()
     def forward_ragged(self, rows, shared: list[tuple[list[int], int]] = ()
                        ) -> list[torch.Tensor]:
@@ -320,7 +281,7 @@ class LeanLlama(torch.nn.Module):
 
         ``shared``: groups of rows whose caches begin with the same P positions, as (row
         indices, P) (services/batching.py ``shared_prefixes``): on a CPU their attention
-        reads those positions once for the group (``_cascade``).
+        reads those positions once for the group (services/ragged_attention.py).
         """
         H, KV, D = self._heads, self._kv_heads, self._head_dim
         sizes = [len(r.tokens) for r in rows]
@@ -337,17 +298,22 @@ class LeanLlama(torch.nn.Module):
         cos, sin = cos[0][None], sin[0][None]  # [1, T, D], broadcast over heads
         groups = [(idx, p) for idx, p in shared if dev.type == "cpu"]
         grouped = {b for idx, _ in groups for b in idx}
-        pooled = set(self._pooled(rows, grouped))
-        plans = pooled_attention.plan(rows, sorted(pooled), starts, self.pool, H // KV, dev)
-        alone = [b for b in range(len(rows)) if b not in grouped and b not in pooled]
+        pooled = set(self._pooled(rows))  # rows attended in their pool slots
         masks = {b: None if sizes[b] == 1 else  # one query sees every key: no mask needed
                  self._group_mask(torch.ones(sizes[b], rows[b].start + sizes[b],
                                              dtype=torch.bool, device=dev
                                              ).tril(diagonal=rows[b].start))
-                 for b in sorted(grouped) + alone}  # [G m_b, L_b + m_b]
-        suffix_masks = {b: None if masks[b] is None else torch.zeros(
-            masks[b][:, p:].shape, device=dev).masked_fill_(~masks[b][:, p:], float("-inf"))
-            for idx, p in groups for b in idx}  # additive [G m_b, L_b + m_b - P]
+                 for b in range(len(rows)) if b not in pooled}  # [G m_b, L_b + m_b]
+
+        def rest_mask(b: int, p: int) -> torch.Tensor | None:  # additive [G m_b, L_b + m_b - P]
+            return None if masks[b] is None else torch.zeros(
+                masks[b][:, p:].shape, device=dev).masked_fill_(~masks[b][:, p:], float("-inf"))
+
+        plans = ragged_attention.plan(rows, sorted(pooled - grouped), starts, self.pool,
+                                      H // KV, dev)
+        cascades = [ragged_attention.cascade_plan(rows, idx, p, starts, pooled, self.pool,
+                                                  H // KV, dev, lambda b, p=p: rest_mask(b, p))
+                    for idx, p in groups]
         for i, w in enumerate(self._layers):
             h = self._rms(x, w.ln1)
             q, k, v = w.qkv(h)[0].split([H * D, KV * D, KV * D], dim=-1)
@@ -358,27 +324,22 @@ class LeanLlama(torch.nn.Module):
             k = k * cos + self._rotate_half(k) * sin
             attn = q.new_empty(H, T, D)
             for p in plans:  # one call per pool segment for all of its rows
-                attn[:, p.tok] = pooled_attention.attend(
+                attn[:, p.tok] = ragged_attention.attend(
                     p, self.pool.segments[p.segment][i], q, k, v)  # [H, P, D]
-            cached = {}
-            for b in sorted(grouped) + alone:
+            for b in range(len(rows)):
+                if b in pooled:
+                    continue
                 r, s, e = rows[b], starts[b], ends[b]
                 keys, values = r.kv.update(k[None, :, s:e], v[None, :, s:e], i)  # [1, KV, L+m, D]
-                if b in grouped:
-                    cached[b] = (keys, values)
-                else:
+                if b not in grouped:
                     attn[:, s:e] = self._attend(q[None, :, s:e], keys, values, masks[b])[0]
-            for idx, p in groups:
-                for b, o in zip(idx, self._cascade(q, [cached[b] for b in idx],
-                                                   [(starts[b], ends[b]) for b in idx],
-                                                   [suffix_masks[b] for b in idx], p),
-                                strict=True):
-                    attn[:, starts[b]:ends[b]] = o  # [H, m, D]
+            for c in cascades:  # one call over each shared prefix, its rows' rests apart
+                attn[:, c.tok] = ragged_attention.cascade(c, i, rows, starts, self.pool, q, k, v)
             x = x + w.o(attn.transpose(0, 1).reshape(1, T, H * D))
             h = self._rms(x, w.ln2)
             gate, up = w.gate_up(h).split([self._inter, self._inter], dim=-1)
             x = x + w.down(F.silu(gate) * up)
-        pooled_attention.advance(rows, plans)
+        ragged_attention.advance(rows, plans + [p for c in cascades for p in c.pooled])
         wanted = torch.tensor([j for r, e in zip(rows, ends, strict=True)
                                for j in range(e - r.keep, e)], device=dev)  # [K] with logits
         x = self._rms(x[:, wanted], self.hf.model.norm.weight)  # [1, K, h]

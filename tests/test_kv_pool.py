@@ -1,5 +1,5 @@
 """KV caches as slots of one pool (services/kv_slab.py KVPool) and the pass that attends over
-many of them with one call per layer (services/pooled_attention.py).
+many of them with one call per layer (services/ragged_attention.py).
 
 Real models (the tiny target built by the fixtures, the committed demo target with grouped
 queries), each row checked against transformers' own forward on its own DynamicCache.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from services import pooled_attention
+from services import ragged_attention
 from services.batching import Row, forward_one, forward_rows
 from services.kv_slab import KVPool, SlabCache
 from services.lean_llama import POOL_ROW_MAX, LeanLlama
@@ -105,8 +105,8 @@ def test_rows_in_slots_attend_per_segment_and_match_each_row_alone(models, monke
         lean_rows.append(Row(tokens=step, kv=kv_lean, start=past, keep=new))
     assert lean_rows[7].kv.slot is None and lean_rows[3].kv.slot == 7
     calls = []
-    attend = pooled_attention.attend
-    monkeypatch.setattr(pooled_attention, "attend",
+    attend = ragged_attention.attend
+    monkeypatch.setattr(ragged_attention, "attend",
                         lambda p, *a: calls.append((p.segment, p.rows)) or attend(p, *a))
     refs = [forward_one(hf, row, "cpu") for row in hf_rows]
     got = forward_rows(lean, lean_rows, "cpu", lambda: None)

@@ -175,13 +175,18 @@ def test_tree_visibility_is_each_branch_prefix_and_its_own_tokens():
                        [1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 1]]
 
 
-def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models):
+@pytest.mark.parametrize("slots", ["pool", "own", "mixed"])
+def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models, slots,
+                                                                         monkeypatch):
     """Cascade attention: rows whose caches begin with the same 160 tokens (the same chained
     prefix-block hashes, as the verifier's sessions restored from its prefix cache carry)
     are grouped and attend to that prefix once per layer, merged with their own suffix by
     log-sum-exp; each row's logits still equal that row run alone through HF - rows of one
     and of several new tokens, a row whose new tokens start right after the prefix, and a
-    row that shares nothing in the same pass. A wrong merge, mask or offset shows here."""
+    row that shares nothing in the same pass; the rows' caches in pool slots (their rests
+    attended in one call), in buffers of their own (one call each), or some of each. A wrong
+    merge, mask or offset shows here."""
+    from services import ragged_attention
     from services.batching import shared_prefixes
 
     hf, lean = models
@@ -193,7 +198,10 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     hf_rows, lean_rows = [], []
     for b, (past, new, hashes) in enumerate(plan):
         step = _ids(hf, new, 20 + b)
-        kv_hf, kv_lean = DynamicCache(config=hf.config), lean.new_cache()
+        own = slots == "own" or (slots == "mixed" and b % 2)
+        kv_hf = DynamicCache(config=hf.config)
+        kv_lean = SlabCache(hf.config.num_hidden_layers) if own else lean.new_cache()
+        assert (kv_lean.slot is None) == own
         forward_one(hf, Row(tokens=past, kv=kv_hf, start=0, keep=1), "cpu")
         forward_one(lean, Row(tokens=past, kv=kv_lean, start=0, keep=1), "cpu")
         hf_rows.append(Row(tokens=step, kv=kv_hf, start=len(past), keep=new))
@@ -201,14 +209,14 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
                              chain_tokens=16 * len(hashes)))
     assert shared_prefixes(lean_rows) == [([0, 1, 2, 4], 160)]
     calls = []
-    cascade = lean._cascade
-    lean._cascade = lambda *args: calls.append(args[-1]) or cascade(*args)
-    try:
-        refs = [forward_one(hf, row, "cpu") for row in hf_rows]
-        got = forward_rows(lean, lean_rows, "cpu", _no_batch_cache)
-    finally:
-        del lean._cascade
-    assert calls == [160] * hf.config.num_hidden_layers  # one group, every layer
+    cascade = ragged_attention.cascade
+    monkeypatch.setattr(ragged_attention, "cascade",
+                        lambda c, *args: calls.append((c.shared, len(c.pooled))) or cascade(
+                            c, *args))
+    refs = [forward_one(hf, row, "cpu") for row in hf_rows]
+    got = forward_rows(lean, lean_rows, "cpu", _no_batch_cache)
+    segments = {"pool": 1, "own": 0, "mixed": 1}[slots]  # rows 0, 2, 4 in slots when mixed
+    assert calls == [(160, segments)] * hf.config.num_hidden_layers  # one group, every layer
     for (past, new, _), ref, out, row in zip(plan, refs, got, lean_rows, strict=True):
         torch.testing.assert_close(out, ref, **TOL)
         assert row.kv.get_seq_length() == len(past) + new

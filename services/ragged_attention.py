@@ -1,0 +1,223 @@
+"""Attention of a ragged pass over many sessions (services/lean_llama.py ``forward_ragged``)
+in few calls per layer: the rows whose KV caches are slots of one pool segment
+(services/kv_slab.py ``KVPool``) in one call, and rows whose caches begin with the same
+shared prefix (cascade attention) in one call over that prefix plus their own rests.
+
+Per session, a pass's attention is small (a decode row: G query rows over L keys), so over
+16 sessions a pass made 16 calls per layer (cache write, slicing, SDPA), and that Python and
+dispatch cost was most of each row's share of the pass. With the caches as rows of one
+buffer per layer, the pass writes every row's new keys and values with one indexed store
+and attends with one SDPA call over the segment's slots, padded to the longest row:
+
+    segment buffer  K [S, KV, slot_len, D]    rows' slots s_b in [lo, lo + n)
+    queries         q_pad [n, H, M, D]        row b's m_b queries at [s_b - lo, :, :m_b]
+    keys            K[lo:lo + n, :, :Lmax]    a view: nothing copied
+    mask            [n, 1, G M, Lmax]         query j of row b sees keys <= start_b + j
+
+Padding costs little against the calls it replaces: slots between the rows' that are not in
+the pass, and a row's queries past its m_b, attend to one key (their outputs are never
+read), and keys past a row's own length are masked (the pool makes sure they hold numbers:
+a masked NaN would still reach the softmax). Each real query sees exactly its own cache and
+the new keys before it, as in a pass of its own.
+
+Cascade attention: rows whose caches begin with the same P positions (copies of the same
+prefix-cache blocks, services/batching.py ``shared_prefixes``) attend to that prefix in ONE
+call over the first row's copy, read once instead of once per row, and to the rest of their
+own caches apart (the pooled ones in one call per segment over the slots' positions P..,
+the others one by one); the two parts merge by their log-sum-exps:
+
+    o = o_p * exp(lse_p - lse) + o_s * exp(lse_s - lse),  lse = logaddexp(lse_p, lse_s)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PooledRows:
+    """The pooled rows of a pass in one segment, and what each layer's call needs."""
+
+    segment: int
+    rows: list[int]  # their indices in the pass
+    tok: torch.Tensor  # [P] each of their tokens' index in the pass's T tokens
+    slot: torch.Tensor  # [P] the token's slot in the segment
+    pos: torch.Tensor  # [P] the token's position in its cache
+    rel: torch.Tensor  # [P] slot - lo: the token's row in the padded batch
+    j: torch.Tensor  # [P] the token's index among its row's new tokens
+    lo: int
+    n: int  # slots lo..lo+n-1 are read
+    width: int  # M: the most new tokens of a row
+    keys: int  # Lmax: the most positions of a row after the pass
+    mask: torch.Tensor  # [n, 1, G M, Lmax - since]: bool, True = may attend; with since > 0
+    # additive (0 / -inf), as the kernel that returns log-sum-exps takes it
+    since: int = 0  # keys before this position are not read (a cascade's shared prefix)
+    cols: torch.Tensor | None = None  # [P] with since > 0: each token's column in its group
+
+
+def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, group: int,
+         device: torch.device, since: int = 0,
+         columns: dict[int, int] | None = None) -> list[PooledRows]:
+    """Splits the pass's rows ``members`` (each ``rows[b].kv`` a cache of ``pool`` with a
+    slot, room for its tokens) by segment. ``starts``: each row's first token in T; ``group``
+    G: query heads per key head. For a cascade group: ``since`` its shared positions,
+    ``columns`` each token's column among the group's tokens."""
+    by_segment: dict[int, list[int]] = {}
+    for b in members:
+        by_segment.setdefault(rows[b].kv.slot // pool.segment, []).append(b)
+    plans = []
+    for segment, idx in sorted(by_segment.items()):
+        slots = [rows[b].kv.slot % pool.segment for b in idx]
+        sizes = [len(rows[b].tokens) for b in idx]
+        lo, hi = min(slots), max(slots)
+        n, width = hi - lo + 1, max(sizes)
+        keys = max(rows[b].start + m for b, m in zip(idx, sizes, strict=True))
+        for b in idx:
+            pool.ready(rows[b].kv.slot, rows[b].start, keys)
+        tok, slot, pos, j = [], [], [], []
+        limit = [[0] * width for _ in range(n)]  # per padded query: its last visible key
+        for b, s, m in zip(idx, slots, sizes, strict=True):
+            start = rows[b].start
+            tok += range(starts[b], starts[b] + m)
+            slot += [s] * m
+            pos += range(start, start + m)
+            j += range(m)
+            limit[s - lo] = [start + min(i, m - 1) for i in range(width)]
+        slot_t = torch.tensor(slot, device=device)
+        last = torch.tensor(limit, device=device)  # [n, M]
+        mask = (torch.arange(since, keys, device=device)[None, None]
+                <= last[:, :, None]).repeat(1, group, 1)[:, None]  # [n, 1, G M, L - since]
+        if since:
+            mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+        plans.append(PooledRows(
+            segment=segment, rows=idx, tok=torch.tensor(tok, device=device), slot=slot_t,
+            pos=torch.tensor(pos, device=device), rel=slot_t - lo,
+            j=torch.tensor(j, device=device), lo=lo, n=n, width=width, keys=keys, mask=mask,
+            since=since, cols=None if columns is None else torch.tensor(
+                [columns[t] for t in tok], device=device)))
+    return plans
+
+
+def _written_and_padded(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor],
+                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Writes the rows' new keys and values k, v [KV, T, D] into their slots of the
+    segment's ``buffers`` (keys, values [S, KV, slot_len, D]); returns their queries from q
+    [H, T, D] padded [n, KV, G M, D] and the slots' keys and values [n, KV, Lmax - since, D]
+    (views)."""
+    keys, values = buffers
+    H, _, D = q.shape
+    KV = k.shape[0]
+    keys[p.slot, :, p.pos] = k[:, p.tok].transpose(0, 1)  # [P, KV, D]
+    values[p.slot, :, p.pos] = v[:, p.tok].transpose(0, 1)
+    padded = q.new_zeros(p.n, H, p.width, D)
+    padded[p.rel, :, p.j] = q[:, p.tok].transpose(0, 1)  # [P, H, D]
+    window = slice(p.lo, p.lo + p.n)
+    return (padded.view(p.n, KV, (H // KV) * p.width, D),  # head g's M rows in turn
+            keys[window, :, p.since:p.keys], values[window, :, p.since:p.keys])
+
+
+def attend(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+           k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Writes the rows' new keys and values and returns their tokens' attention outputs
+    [H, P, D] for queries q [H, T, D] (``_written_and_padded``)."""
+    H, _, D = q.shape
+    grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=p.mask)
+    return out.view(p.n, H, p.width, D)[p.rel, :, p.j].transpose(0, 1)  # [H, P, D]
+
+
+def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped queries q [B, KV, n, D] over keys/values [B, KV, L, D] with its
+    log-sum-exp: ([B, KV, n, D], [B, KV, n] float32); ``mask`` [.., n, L] added to the scores
+    (0 or -inf) or None. PyTorch's CPU flash kernel, which SDPA runs, returns both."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys, values, 0.0, False, attn_mask=mask)[:2]
+    return out, lse
+
+
+def _attend_slots_lse(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor],
+                      q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend`` over the slots' positions from ``p.since`` on, with log-sum-exps: outputs
+    [KV, G, P, D] and lse [KV, G, P]."""
+    KV = k.shape[0]
+    G = q.shape[0] // KV
+    grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
+    out, lse = attend_lse(grouped, keys, values, p.mask)  # [n, KV, G M, D], [n, KV, G M]
+    out = out.view(p.n, KV, G, p.width, -1)[p.rel, :, :, p.j]  # [P, KV, G, D]
+    lse = lse.view(p.n, KV, G, p.width)[p.rel, :, :, p.j]  # [P, KV, G]
+    return out.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
+
+
+@dataclass
+class Cascade:
+    """A group of rows sharing their caches' first ``shared`` positions, planned once a
+    pass: their tokens in T (the group's columns, row after row), the pooled rows' plans
+    and the other rows' columns [c0, c1) with their additive masks over their rests."""
+
+    rows: list[int]
+    shared: int
+    tok: torch.Tensor  # [N]
+    pooled: list[PooledRows] = field(default_factory=list)
+    alone: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
+
+
+def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequence[int],
+                 pooled: set[int], pool, group: int, device: torch.device,
+                 rest_mask: Callable[[int], torch.Tensor | None]) -> Cascade:
+    """Plans a group's attention; ``pooled``: which of its rows attend in their slots,
+    ``rest_mask(b)``: a lone row's additive mask over its rest [G m, L - shared] (or None)."""
+    tok, columns, alone = [], {}, []
+    for b in idx:
+        m = len(rows[b].tokens)
+        if b not in pooled:
+            alone.append((b, len(tok), len(tok) + m, rest_mask(b)))
+        for t in range(starts[b], starts[b] + m):
+            columns[t] = len(tok)
+            tok.append(t)
+    mine = [b for b in idx if b in pooled]
+    return Cascade(rows=list(idx), shared=shared, tok=torch.tensor(tok, device=device),
+                   pooled=plan(rows, mine, starts, pool, group, device, shared, columns),
+                   alone=alone)
+
+
+def cascade(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int], pool,
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The group's attention outputs [H, N, D] for queries q [H, T, D] in ``layer``; writes
+    its pooled rows' new keys and values (the others' caches were updated before)."""
+    H, _, D = q.shape
+    KV = k.shape[0]
+    G, N = H // KV, len(c.tok)
+    o_s = q.new_empty(KV, G, N, D)  # over each row's own rest
+    lse_s = q.new_empty(KV, G, N, dtype=torch.float32)
+    for p in c.pooled:
+        o_s[:, :, p.cols], lse_s[:, :, p.cols] = _attend_slots_lse(
+            p, pool.segments[p.segment][layer], q, k, v)
+    for b, c0, c1, mask in c.alone:
+        cache = rows[b].kv.layers[layer]
+        s, m = starts[b], c1 - c0
+        out, lse = attend_lse(q[None, :, s:s + m].reshape(1, KV, G * m, D),
+                              cache.keys[:, :, c.shared:], cache.values[:, :, c.shared:], mask)
+        o_s[:, :, c0:c1], lse_s[:, :, c0:c1] = out.view(KV, G, m, D), lse.view(KV, G, m)
+    first = rows[c.rows[0]].kv.layers[layer]  # the shared positions: one copy for all
+    o_p, lse_p = attend_lse(q[:, c.tok].view(1, KV, G * N, D), first.keys[:, :, :c.shared],
+                            first.values[:, :, :c.shared], None)  # [1, KV, G N, D], [1, KV, G N]
+    o_p, lse_p = o_p.view(KV, G, N, D), lse_p.view(KV, G, N)
+    lse = torch.logaddexp(lse_p, lse_s)
+    out = (o_p * (lse_p - lse).exp()[..., None]
+           + o_s * (lse_s - lse).exp()[..., None]).to(q.dtype)  # (lse is float32)
+    return out.view(H, N, D)
+
+
+def advance(rows: Sequence, plans: Sequence[PooledRows]) -> None:
+    """After the pass: each pooled row's cache now holds its new tokens in every layer."""
+    for p in plans:
+        for b in p.rows:
+            m = len(rows[b].tokens)
+            for layer in rows[b].kv.layers:
+                layer.length += m
