@@ -45,10 +45,10 @@ class KVPool:
         self.num_layers, self.slot_len, self.segment = num_layers, slot_len, segment
         self._shape = (segment, kv_heads, slot_len, head_dim)
         self._dtype, self._device = dtype, torch.device(device)
-        self._max_slots = max_slots
+        self.max_slots = max_slots  # a replica lowers it to fit its KV budget
         self.segments: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # [seg][layer]
         self._free: list[int] = []  # slots released, reused before a new one is made
-        self._clean = [0] * max_slots  # per slot: positions that hold numbers (written or 0)
+        self._clean: list[int] = []  # per slot: positions that hold numbers (written or 0)
         self._made = 0
         self._lock = threading.Lock()  # released from whichever thread drops a cache
 
@@ -62,7 +62,7 @@ class KVPool:
             if self._free:
                 self._free.sort(reverse=True)
                 return self._free.pop()
-            if self._made >= self._max_slots:
+            if self._made >= self.max_slots:
                 return None
             if self._made == len(self.segments) * self.segment:
                 # normal tensors even when a slot is first taken inside inference mode: a
@@ -73,6 +73,7 @@ class KVPool:
                          torch.empty(self._shape, dtype=self._dtype, device=self._device))
                         for _ in range(self.num_layers)])
             self._made += 1
+            self._clean.append(0)
             return self._made - 1
 
     def release(self, slot: int) -> None:

@@ -120,3 +120,26 @@ def test_rows_in_slots_attend_per_segment_and_match_each_row_alone(models, monke
         for ref_layer, layer in zip(hf_row.kv.layers, row.kv.layers, strict=True):
             torch.testing.assert_close(layer.keys, ref_layer.keys, **TOL)
             torch.testing.assert_close(layer.values, ref_layer.values, **TOL)
+
+
+@pytest.mark.parametrize("budget_mb, max_sessions", [(0, 256), (0, 20), (1, 256)])
+def test_a_replica_holds_its_pool_within_max_sessions_and_the_kv_budget(tiny_pair, budget_mb,
+                                                                        max_sessions):
+    """A written slot's pages stay with the process, so a replica's pool has no more slots
+    than it may hold sessions, and with --kv-budget-mb no more than the budget holds full
+    slots of (the tiny target: 1 MB is a few slots of its full context)."""
+    from services.config import ModelServiceConfig, ServerConfig
+    from services.model_service import build_parts
+    from services.models import kv_bytes_per_token
+
+    runner, _ = build_parts(ModelServiceConfig(
+        server=ServerConfig(port=0), model=tiny_pair[0], kv_budget_mb=budget_mb,
+        max_sessions=max_sessions))
+    pool = runner.model.pool
+    assert pool is not None and pool.slot_len == runner.meta.max_context
+    slot_bytes = pool.slot_len * kv_bytes_per_token(runner.model)
+    if budget_mb:
+        assert 1 <= pool.max_slots <= budget_mb * 1024 * 1024 // slot_bytes < max_sessions
+    else:
+        assert pool.max_slots == min(256, max_sessions)
+    runner.close()
