@@ -47,6 +47,7 @@ from services.kv_slab import KVPool, SlabCache
 
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
+POOL_PAD = 512  # padded positions the longest row may add to the others' before it goes alone
 
 
 def unsupported_reason(model) -> str:
@@ -200,10 +201,15 @@ class LeanLlama(torch.nn.Module):
         if self.pool is None:
             return []
         limit = self.pool.slot_len
-        return [b for b, r in enumerate(rows)
-                if len(r.tokens) <= POOL_ROW_MAX
-                and getattr(r.kv, "pool", None) is self.pool
-                and r.kv.slot is not None and r.start + len(r.tokens) <= limit]
+        pooled = sorted((r.start + len(r.tokens), b) for b, r in enumerate(rows)
+                        if len(r.tokens) <= POOL_ROW_MAX
+                        and getattr(r.kv, "pool", None) is self.pool
+                        and r.kv.slot is not None and r.start + len(r.tokens) <= limit)
+        # the call pads every row to the longest: a row far longer than the others (one long
+        # document among chats) attends alone rather than making every row read its length
+        while len(pooled) > 1 and (pooled[-1][0] - pooled[-2][0]) * (len(pooled) - 1) > POOL_PAD:
+            pooled.pop()
+        return [b for _, b in pooled]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

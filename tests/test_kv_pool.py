@@ -143,3 +143,34 @@ def test_a_replica_holds_its_pool_within_max_sessions_and_the_kv_budget(tiny_pai
     else:
         assert pool.max_slots == min(256, max_sessions)
     runner.close()
+
+
+def test_a_row_far_longer_than_the_others_attends_alone(models, monkeypatch):
+    """The pooled call pads every row to the longest: one row of 400 cached positions beside
+    three of about 10 would make each of them read 400, so it attends alone (and still
+    matches HF); rows of similar lengths stay together."""
+    hf, lean = models
+    c = hf.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    monkeypatch.setattr(lean, "pool", KVPool(c.num_hidden_layers, kv_heads, head_dim,
+                                             slot_len=512))
+    calls = []
+    attend = ragged_attention.attend
+    monkeypatch.setattr(ragged_attention, "attend",
+                        lambda p, *a: calls.append(p.rows) or attend(p, *a))
+    for plan, together in (([8, 400, 12, 10], [0, 2, 3]), ([300, 340, 320], [0, 1, 2])):
+        calls.clear()
+        hf_rows, lean_rows = [], []
+        for b, past in enumerate(plan):
+            kv_hf, kv_lean = DynamicCache(config=c), lean.new_cache()
+            prefix, step = _ids(hf, past, 30 + b), _ids(hf, 1, 40 + b)
+            forward_one(hf, Row(tokens=prefix, kv=kv_hf, start=0, keep=1), "cpu")
+            forward_one(lean, Row(tokens=prefix, kv=kv_lean, start=0, keep=1), "cpu")
+            hf_rows.append(Row(tokens=step, kv=kv_hf, start=past, keep=1))
+            lean_rows.append(Row(tokens=step, kv=kv_lean, start=past, keep=1))
+        refs = [forward_one(hf, row, "cpu") for row in hf_rows]
+        got = forward_rows(lean, lean_rows, "cpu", lambda: None)
+        assert calls == [together] * c.num_hidden_layers
+        for ref, out in zip(refs, got, strict=True):
+            torch.testing.assert_close(out, ref, **TOL)
