@@ -131,8 +131,9 @@ class ModelServiceMetrics:
 
     def __init__(self, meter: metrics.Meter, kind: str, queue_depth: Callable[[], int],
                  sessions: Callable[[], int], kv_bytes: Callable[[], int],
-                 kv_capacity_bytes: Callable[[], int], prefix=None) -> None:
-        """``prefix``: the replica's PrefixCache (None: off, no prefix metrics)."""
+                 kv_capacity_bytes: Callable[[], int], prefix=None, pool=None) -> None:
+        """``prefix``: the replica's PrefixCache (None: off, no prefix metrics); ``pool``: its
+        model's KVPool (services/kv_slab.py; None: none, no pool metrics)."""
         self.calls = meter.create_counter(f"specmesh.{kind}.calls", unit="{call}",
                                           description=f"{kind} calls answered, by outcome")
         self.draft_tokens = meter.create_counter(
@@ -160,6 +161,13 @@ class ModelServiceMetrics:
         _gauge(meter, "specmesh.kv_cache.used", "By", "KV cache bytes held", kv_bytes)
         _gauge(meter, "specmesh.kv_cache.capacity", "By",
                "KV cache bytes at --max-sessions full-context sessions", kv_capacity_bytes)
+        if pool is not None:
+            _gauge(meter, f"specmesh.{kind}.kv_pool.slots", "{slot}",
+                   "KV pool slots held by session caches (a pass attends over them together)",
+                   lambda: pool.in_use)
+            _gauge(meter, f"specmesh.{kind}.kv_pool.capacity", "{slot}",
+                   "KV pool slots at most; caches beyond them get buffers of their own",
+                   lambda: pool.max_slots)
         if prefix is not None:
             _counter(meter, f"specmesh.{kind}.prefix.lookup_tokens", "{token}",
                      "Prompt tokens of fresh sessions looked up in the prefix cache",

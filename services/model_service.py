@@ -58,7 +58,8 @@ def build_metrics(telemetry: Telemetry, kind: str, engine,
         telemetry.meter, kind, queue_depth=lambda: engine.queue_depth,
         sessions=lambda: len(engine.caches),
         kv_bytes=lambda: per_token * engine.caches.total_tokens(),
-        kv_capacity_bytes=lambda: capacity, prefix=engine.caches.prefix)
+        kv_capacity_bytes=lambda: capacity, prefix=engine.caches.prefix,
+        pool=getattr(getattr(runner, "model", None), "pool", None))
 
 
 class ModelServiceRpcs:

@@ -174,3 +174,30 @@ def test_a_row_far_longer_than_the_others_attends_alone(models, monkeypatch):
         assert calls == [together] * c.num_hidden_layers
         for ref, out in zip(refs, got, strict=True):
             torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_a_replica_exports_its_pool_slots_in_use_and_at_most():
+    """The metrics an operator watches for the pool running out (then sessions attend one by
+    one): slots held now, slots at most."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from services.metrics import ModelServiceMetrics
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    pool = _pool(max_slots=5)
+    ModelServiceMetrics(meter, "verifier", queue_depth=lambda: 0, sessions=lambda: 0,
+                        kv_bytes=lambda: 0, kv_capacity_bytes=lambda: 0, pool=pool)
+    held = [SlabCache(2, pool=pool) for _ in range(3)]
+
+    def read() -> dict[str, float]:
+        return {m.name: m.data.data_points[0].value
+                for rm in reader.get_metrics_data().resource_metrics
+                for sm in rm.scope_metrics for m in sm.metrics if "kv_pool" in m.name}
+
+    assert read() == {"specmesh.verifier.kv_pool.slots": 3,
+                      "specmesh.verifier.kv_pool.capacity": 5}
+    del held[0]
+    gc.collect()
+    assert read()["specmesh.verifier.kv_pool.slots"] == 2
