@@ -91,7 +91,9 @@ def _server(port: int, host: str, tls_cert: str, tls_key: str, tls_ca: str, heal
 
 KvBudget = Annotated[int, typer.Option("--kv-budget-mb", envvar="SPECMESH_KV_BUDGET_MB",
                                        help="KV cache memory budget; idle sessions are "
-                                            "evicted least recently used first (0 = none).")]
+                                            "evicted least recently used first, and on a "
+                                            "CPU the KV pool gets no more slots than it "
+                                            "holds (0 = none).")]
 PrefixCacheMb = Annotated[int, typer.Option(
     "--prefix-cache-mb", envvar="SPECMESH_PREFIX_CACHE_MB",
     help="Memory for KV blocks of committed prefixes, reused by sessions that start with the "
