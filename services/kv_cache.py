@@ -99,7 +99,10 @@ class SessionCaches:
         entry = self._entries.get(session_id)
         if base_len == 0:
             self.fresh_prefills += 1
-            entry = SessionCache(tokens=[], kv=self._new_kv())
+            kv = self._new_kv()
+            if getattr(kv, "missed_slot", False) and self._free_a_slot():
+                kv = self._new_kv()  # the slot a resting session gave up
+            entry = SessionCache(tokens=[], kv=kv)
             if self.prefix is not None and entry.kv is not None:
                 self._restore(entry, new_tokens, committed - 1)
         elif entry is None:
@@ -130,6 +133,16 @@ class SessionCaches:
         self._entries[session_id] = entry
         self._tokens += len(entry.tokens)
         self._evict()
+
+    def _free_a_slot(self) -> bool:
+        """The pool of KV slots is full (services/kv_slab.py): the least recently used
+        resting session that holds a slot moves its cache out of it, so that sessions being
+        served, not sessions at rest, attend over the pool together."""
+        for entry in self._entries.values():  # least recently used first
+            leave = getattr(entry.kv, "leave_pool", None)
+            if leave is not None and leave():
+                return True
+        return False
 
     def _restore(self, entry: SessionCache, tokens: Sequence[int], limit: int) -> None:
         hashes, blocks = self.prefix.lookup(tokens, limit)

@@ -16,7 +16,8 @@ writes all of their caches with one call per layer (services/ragged_attention.py
 of one per session. A pooled cache behaves as any other; one that outgrows its slot moves to
 a buffer of its own (the slot is then no longer read), and the slot returns to the pool when
 the cache is garbage (``weakref.finalize``: a slot is never handed out while a cache that
-may still write it lives).
+may still write it lives) or moves out of it (``leave_pool``: a session at rest makes room
+for a new one, services/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -111,6 +112,16 @@ class SlabLayer:
         self.pooled = slot is not None  # still writing the pool's slot
         self.length = 0
 
+    def own(self) -> None:
+        """Copies the live positions into a buffer of its own (off a pool slot)."""
+        if self.pooled:
+            size = max(1, -(-self.length // self._chunk)) * self._chunk
+            shape = (*self._keys.shape[:2], size, self._keys.shape[3])
+            keys, values = self._keys.new_empty(shape), self._values.new_empty(shape)
+            keys[:, :, :self.length] = self._keys[:, :, :self.length]
+            values[:, :, :self.length] = self._values[:, :, :self.length]
+            self._keys, self._values, self.pooled = keys, values, False
+
     @property
     def is_initialized(self) -> bool:
         return self._keys is not None
@@ -153,13 +164,26 @@ class SlabCache:
     def __init__(self, num_layers: int, chunk: int = CHUNK, pool: KVPool | None = None) -> None:
         self.pool = pool
         self._slot = None if pool is None else pool.acquire()
+        self.missed_slot = pool is not None and self._slot is None  # the pool was full
+        self._release = None
         if self._slot is None:
             self.pool = None
             self.layers = [SlabLayer(chunk) for _ in range(num_layers)]
         else:
             self.layers = [SlabLayer(chunk, pool.buffers(self._slot, i))
                            for i in range(num_layers)]
-            weakref.finalize(self, pool.release, self._slot)
+            self._release = weakref.finalize(self, pool.release, self._slot)
+
+    def leave_pool(self) -> bool:
+        """Moves the live positions out of the pool slot into buffers of their own and
+        gives the slot back (a resting session's, for a new one); False when it has none."""
+        if self._slot is None or self._release is None:
+            return False
+        for layer in self.layers:
+            layer.own()
+        self._release()  # (once: the finalizer is then dead)
+        self._slot, self.pool = None, None
+        return True
 
     @property
     def slot(self) -> int | None:

@@ -166,7 +166,7 @@ class ModelServiceMetrics:
                    "KV pool slots held by session caches (a pass attends over them together)",
                    lambda: pool.in_use)
             _gauge(meter, f"specmesh.{kind}.kv_pool.capacity", "{slot}",
-                   "KV pool slots at most; caches beyond them get buffers of their own",
+                   "KV pool slots at most; past them a new session takes a resting one's",
                    lambda: pool.max_slots)
         if prefix is not None:
             _counter(meter, f"specmesh.{kind}.prefix.lookup_tokens", "{token}",

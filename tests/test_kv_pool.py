@@ -201,3 +201,34 @@ def test_a_replica_exports_its_pool_slots_in_use_and_at_most():
     del held[0]
     gc.collect()
     assert read()["specmesh.verifier.kv_pool.slots"] == 2
+
+
+def test_a_new_session_takes_the_slot_of_the_least_recently_used_resting_one():
+    """With every slot held, a new session's cache would attend alone: the least recently
+    used session at rest moves its cache out of its slot (same keys and values, now in a
+    buffer of its own) and the new session takes the slot. Sessions in use keep theirs."""
+    from services.hashing import token_hash
+    from services.kv_cache import SessionCaches
+
+    pool = _pool(max_slots=2)
+    caches = SessionCaches(max_sessions=10, new_kv=lambda: SlabCache(2, pool=pool))
+    step = torch.arange(6, dtype=torch.float32).view(1, 1, 3, 2)  # [B, KV, 3 positions, D]
+
+    def fill(sid: str, scale: float) -> SlabCache:
+        with caches.checkout(sid, 0, token_hash([])) as entry:
+            for layer in range(2):
+                entry.kv.update(step * scale, -step * scale, layer)
+            entry.tokens.extend([1, 2, 3])
+            return entry.kv
+
+    a, b = fill("a", 1.0), fill("b", 2.0)
+    assert (a.slot, b.slot) == (0, 1) and pool.in_use == 2
+    c = fill("c", 3.0)  # "a" rests longest: its slot goes to "c"
+    assert c.slot == 0 and a.slot is None and b.slot == 1 and pool.in_use == 2
+    for layer in a.layers:  # "a" kept its positions
+        assert torch.equal(layer.keys, step) and torch.equal(layer.values, -step)
+    with caches.checkout("b", 3, token_hash([1, 2, 3])) as busy:  # "b" busy: keeps its slot
+        with caches.checkout("d", 0, token_hash([])) as d:  # "c" is the one at rest in a slot
+            assert busy.kv.slot == 1 and c.slot is None and d.kv.slot == 0
+            with caches.checkout("e", 0, token_hash([])) as e:  # none at rest holds one
+                assert e.kv.slot is None and e.kv.missed_slot
