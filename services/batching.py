@@ -2,7 +2,8 @@
 
 Each session keeps its own KV cache (batch 1, ``start`` positions). The lean forward
 (services/lean_llama.py) runs such a batch as one ragged pass: the projections over all the
-rows' new tokens at once, attention per row on its own cache in place. For any other model
+rows' new tokens at once, attention over each row's own cache in place (many rows in one
+call where their caches are pool slots: services/ragged_attention.py). For any other model
 (transformers' forward) the caches of a pass over B sessions are left-padded to the longest
 one and stacked, the new tokens are right-padded, and a 2-D attention mask hides both
 paddings:

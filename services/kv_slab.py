@@ -22,6 +22,7 @@ for a new one, services/kv_cache.py).
 
 from __future__ import annotations
 
+import heapq
 import threading
 import weakref
 
@@ -48,7 +49,7 @@ class KVPool:
         self._dtype, self._device = dtype, torch.device(device)
         self.max_slots = max_slots  # a replica lowers it to fit its KV budget
         self.segments: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # [seg][layer]
-        self._free: list[int] = []  # slots released, reused before a new one is made
+        self._free: list[int] = []  # a heap of released slots, reused before a new one
         self._clean: list[int] = []  # per slot: positions that hold numbers (written or 0)
         self._made = 0
         self._lock = threading.Lock()  # released from whichever thread drops a cache
@@ -61,8 +62,7 @@ class KVPool:
         """A free slot, or None when all ``max_slots`` are in use."""
         with self._lock:
             if self._free:
-                self._free.sort(reverse=True)
-                return self._free.pop()
+                return heapq.heappop(self._free)
             if self._made >= self.max_slots:
                 return None
             if self._made == len(self.segments) * self.segment:
@@ -79,7 +79,7 @@ class KVPool:
 
     def release(self, slot: int) -> None:
         with self._lock:
-            self._free.append(slot)
+            heapq.heappush(self._free, slot)
 
     def ready(self, slot: int, live: int, length: int) -> None:
         """Makes positions [0, length) of ``slot``, whose cache holds ``live`` positions,
@@ -115,12 +115,18 @@ class SlabLayer:
     def own(self) -> None:
         """Copies the live positions into a buffer of its own (off a pool slot)."""
         if self.pooled:
-            size = max(1, -(-self.length // self._chunk)) * self._chunk
-            shape = (*self._keys.shape[:2], size, self._keys.shape[3])
-            keys, values = self._keys.new_empty(shape), self._values.new_empty(shape)
+            self._move(self.length, self._keys)
+
+    def _move(self, end: int, like: torch.Tensor) -> None:
+        """A buffer of its own shaped like ``like`` [B, KV, *, D] with room for ``end``
+        positions (whole chunks, at least one), holding the live ones."""
+        size = max(1, -(-end // self._chunk)) * self._chunk
+        shape = (*like.shape[:2], size, like.shape[3])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        if self._keys is not None and self.length:
             keys[:, :, :self.length] = self._keys[:, :, :self.length]
             values[:, :, :self.length] = self._values[:, :, :self.length]
-            self._keys, self._values, self.pooled = keys, values, False
+        self._keys, self._values, self.pooled = keys, values, False
 
     @property
     def is_initialized(self) -> bool:
@@ -142,14 +148,7 @@ class SlabLayer:
         """Writes [B, KV, n, D] new positions after the live ones; returns all live ones."""
         end = self.length + keys.shape[2]
         if end > self.capacity():
-            size = -(-end // self._chunk) * self._chunk
-            shape = (keys.shape[0], keys.shape[1], size, keys.shape[3])
-            grown_k, grown_v = keys.new_empty(shape), values.new_empty(shape)
-            if self._keys is not None and self.length:
-                grown_k[:, :, :self.length] = self._keys[:, :, :self.length]
-                grown_v[:, :, :self.length] = self._values[:, :, :self.length]
-            self._keys, self._values = grown_k, grown_v
-            self.pooled = False
+            self._move(end, keys)
         self._keys[:, :, self.length:end] = keys
         self._values[:, :, self.length:end] = values
         self.length = end
@@ -177,7 +176,7 @@ class SlabCache:
     def leave_pool(self) -> bool:
         """Moves the live positions out of the pool slot into buffers of their own and
         gives the slot back (a resting session's, for a new one); False when it has none."""
-        if self._slot is None or self._release is None:
+        if self._slot is None:
             return False
         for layer in self.layers:
             layer.own()

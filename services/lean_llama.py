@@ -274,12 +274,14 @@ class LeanLlama(torch.nn.Module):
     def forward_ragged(self, rows, shared: list[tuple[list[int], int]] = ()
                        ) -> list[torch.Tensor]:
         """One pass over several sessions' new tokens, each on its own KV cache, read and
-        written in place: nothing is padded, stacked or copied between caches. The
-        projections and the LM head run once over all the rows' tokens together (that is
-        where batching pays: each weight is read once for the whole batch); attention runs
-        per row on a view of that row's own cache. ``rows``: services.batching.Row, each
-        with a cache (``new_cache()``'s, or a transformers ``Cache``: only ``update`` is used)
-        holding ``start`` positions. Returns per row logits [keep_b, V].
+        written in place: no cache is stacked or copied. The projections and the LM head run
+        once over all the rows' tokens together (that is where batching pays: each weight is
+        read once for the whole batch); attention reads each row's cache where it lies: the
+        decode and verify rows whose caches are pool slots in one call per slot buffer
+        (services/ragged_attention.py), the others one by one. ``rows``:
+        services.batching.Row, each with a cache (``new_cache()``'s, or a transformers
+        ``Cache``: only ``update`` is used) holding ``start`` positions. Returns per row
+        logits [keep_b, V].
 
             tokens of all rows, concatenated:  T = sum m_b
             x [1, T, h] ; per layer  q [H, T, D], k, v [KV, T, D]

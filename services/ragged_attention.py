@@ -66,18 +66,19 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
     slot, room for its tokens) by segment. ``starts``: each row's first token in T; ``group``
     G: query heads per key head. For a cascade group: ``since`` its shared positions,
     ``columns`` each token's column among the group's tokens."""
+    slot_of = {b: rows[b].kv.slot for b in members}  # (a property over every layer)
     by_segment: dict[int, list[int]] = {}
     for b in members:
-        by_segment.setdefault(rows[b].kv.slot // pool.segment, []).append(b)
+        by_segment.setdefault(slot_of[b] // pool.segment, []).append(b)
     plans = []
     for segment, idx in sorted(by_segment.items()):
-        slots = [rows[b].kv.slot % pool.segment for b in idx]
+        slots = [slot_of[b] % pool.segment for b in idx]
         sizes = [len(rows[b].tokens) for b in idx]
         lo, hi = min(slots), max(slots)
         n, width = hi - lo + 1, max(sizes)
         keys = max(rows[b].start + m for b, m in zip(idx, sizes, strict=True))
         for b in idx:
-            pool.ready(rows[b].kv.slot, rows[b].start, keys)
+            pool.ready(slot_of[b], rows[b].start, keys)
         tok, slot, pos, j = [], [], [], []
         limit = [[0] * width for _ in range(n)]  # per padded query: its last visible key
         for b, s, m in zip(idx, slots, sizes, strict=True):
