@@ -43,7 +43,6 @@ from gateway.clients import ReplicaFailed
 from gateway.replicas import ReplicaPool
 from services.config import GatewayConfig
 from services.errors import DeadlineExceeded, ResyncRequired, Unavailable
-from services.hashing import token_hash
 from services.messages import (
     CacheDelta,
     DraftCall,
@@ -80,8 +79,10 @@ def _held(draft: DraftResult, old: int) -> tuple[int, ...]:
     return draft.token_ids[: max(0, draft.cached_len - old)]
 
 
-def _delta(session_id: str, tokens: list[int], base: int) -> CacheDelta:
-    return CacheDelta(session_id=session_id, base_len=base, base_hash=token_hash(tokens[:base]),
+def _delta(h: SessionHandle, tokens: list[int], base: int) -> CacheDelta:
+    """The cache delta of ``tokens`` (h's committed tokens, then perhaps drafts) for a replica
+    holding their first ``base``, at most the committed ones."""
+    return CacheDelta(session_id=h.session_id, base_len=base, base_hash=h.prefix_hash(base),
                       new_tokens=tuple(tokens[base:]))
 
 
@@ -293,7 +294,7 @@ class RoundRunner:
         ext = [*h.tokens, *drafted.token_ids]
         base = min(valid, len(h.tokens) - 1)  # logits from the last committed token on
         call = SpeculateCall(
-            cache=_delta(h.session_id, ext, base), num_drafts=len(drafted.token_ids),
+            cache=_delta(h, ext, base), num_drafts=len(drafted.token_ids),
             num_tokens=k, params=params, seed=seed, max_support=self.config.max_support,
             max_branches=fanout, acceptance=acceptance)
         try:
@@ -372,7 +373,7 @@ class RoundRunner:
         """Drafts k tokens; None (no drafter could answer) runs the round with k = 0."""
 
         async def call(replica, base: int) -> DraftResult:
-            delta = _delta(h.session_id, h.tokens, base)
+            delta = _delta(h, h.tokens, base)
             return await clients.draft(replica, DraftCall(
                 cache=delta, num_tokens=k, params=params, seed=seed,
                 max_support=self.config.max_support), self._timeout(deadline))
@@ -391,7 +392,7 @@ class RoundRunner:
 
         async def call(replica, base: int) -> VerifyResult:
             return await clients.verify(replica, VerifyCall(
-                cache=_delta(h.session_id, h.tokens, base),
+                cache=_delta(h, h.tokens, base),
                 draft_ids=draft.token_ids if draft else (),
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
                 params=params, seed=seed, logprobs=logprobs), self._timeout(deadline))

@@ -1,4 +1,5 @@
-"""The hash that names a committed token prefix in cache handles."""
+"""The hash that names a committed token prefix in cache handles, and the prefix-cache
+blocks' chained hashes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,44 @@ def token_hash(tokens: Sequence[int]) -> int:
     if data.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte int
         raise RuntimeError("array('i') is not 32-bit on this platform")
     return int.from_bytes(hashlib.blake2b(data.tobytes(), digest_size=8).digest(), "little")
+
+
+class PrefixHasher:
+    """``token_hash(tokens[:n])`` of one growing token list at a cost that does not grow
+    with the list: blake2b states are kept every ``STRIDE`` tokens, and a prefix's hash
+    copies the state at or below its end and feeds at most ``STRIDE - 1`` more tokens (the
+    same bytes through the same hash: the value equals ``token_hash``'s). A session's
+    rounds ask for the hash of a prefix they just extended; hashing it whole each time cost
+    ~50 us at 1,000 tokens, several times a round.
+
+    The owner keeps one hasher per list, appends freely and calls ``crop(n)`` whenever the
+    list is cut to ``n`` tokens; the tokens before the last kept state must not otherwise
+    change (a changed token there would give a wrong hash: a cache check that then fails
+    makes the caller resend its prefix, services/kv_cache.py)."""
+
+    STRIDE = 64
+
+    def __init__(self) -> None:
+        self._states = [hashlib.blake2b(digest_size=8)]  # state i has fed tokens[:i STRIDE]
+
+    def hash(self, tokens: Sequence[int], n: int) -> int:
+        """token_hash(tokens[:n]), for 0 <= n <= len(tokens)."""
+        if not 0 <= n <= len(tokens):
+            raise ValueError(f"prefix of {n} tokens asked of a list of {len(tokens)}")
+        step, at = self.STRIDE, n // self.STRIDE
+        while len(self._states) <= at:
+            i = len(self._states) - 1
+            state = self._states[-1].copy()
+            state.update(array("i", tokens[i * step:(i + 1) * step]).tobytes())
+            self._states.append(state)
+        state = self._states[at].copy()
+        if n > at * step:
+            state.update(array("i", tokens[at * step:n]).tobytes())
+        return int.from_bytes(state.digest(), "little")
+
+    def crop(self, n: int) -> None:
+        """The list now holds its first ``n`` tokens (what it held after them is gone)."""
+        del self._states[n // self.STRIDE + 1:]
 
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:

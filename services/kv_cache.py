@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.errors import Busy, ResyncRequired
-from services.hashing import token_hash
+from services.hashing import PrefixHasher
 from services.prefix_cache import PrefixCache, restore
 
 
@@ -32,6 +32,9 @@ class SessionCache:
     last_used: float = field(default_factory=time.monotonic)
     published: int = 0  # leading tokens whose blocks are in the prefix cache
     hashes: list[int] = field(default_factory=list)  # each of those blocks' chained hash
+    # hashes prefixes of ``tokens`` for checkouts' base_hash checks; tokens only change by
+    # appending or by ``crop`` (and ``_restore`` on a fresh entry, which replaces it)
+    hasher: PrefixHasher = field(default_factory=PrefixHasher, repr=False, compare=False)
 
     @property
     def chain(self) -> int:
@@ -51,6 +54,7 @@ class SessionCache:
             if self.kv is not None:  # None: a drafter without a model (n-gram)
                 self.kv.crop(-drop)
             del self.tokens[length:]
+            self.hasher.crop(length)
 
 
 class SessionCaches:
@@ -110,7 +114,7 @@ class SessionCaches:
             raise ResyncRequired(
                 f"session {session_id!r} has no cache on this replica: resend the committed "
                 "prefix with base_len=0")
-        elif len(entry.tokens) < base_len or token_hash(entry.tokens[:base_len]) != base_hash:
+        elif len(entry.tokens) < base_len or entry.hasher.hash(entry.tokens, base_len) != base_hash:
             self.resyncs_requested += 1
             raise ResyncRequired(
                 f"session {session_id!r}: cache holds {len(entry.tokens)} tokens that do not "
@@ -149,7 +153,7 @@ class SessionCaches:
         if blocks:
             restore(entry.kv, blocks)
             entry.published = len(blocks) * self.prefix.block
-            entry.tokens = list(tokens[:entry.published])
+            entry.tokens, entry.hasher = list(tokens[:entry.published]), PrefixHasher()
             entry.hashes = list(hashes)
 
     def _publish(self, entry: SessionCache, committed: int) -> None:

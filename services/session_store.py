@@ -30,7 +30,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.errors import Busy, NotFound, Unavailable
-from services.hashing import token_hash
+from services.hashing import PrefixHasher
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -96,6 +96,13 @@ class SessionHandle:
     turn: dict = field(default_factory=dict)  # the current turn's record (gateway/turns.py)
     last_trace: str = ""  # "traceid-spanid" of the latest turn's span, to link the next one
     tenant: str = ""  # name of the API key that created the session ("" = no authentication)
+    # hashes prefixes of ``tokens``, which only ever grow, at a cost independent of their
+    # length (each round's cache deltas and commit name one)
+    hasher: PrefixHasher = field(default_factory=PrefixHasher, repr=False, compare=False)
+
+    def prefix_hash(self, n: int) -> int:
+        """token_hash(tokens[:n])."""
+        return self.hasher.hash(self.tokens, n)
 
 
 def _pack(tokens: list[int]) -> bytes:
@@ -196,16 +203,17 @@ class SessionStore:
             if len(data) % 4:
                 raise ValueError("token bytes are not a multiple of 4")
             tokens = _unpack(data)
-            if len(tokens) != int(f["committed_len"]) or token_hash(tokens) != int(
-                    f["committed_hash"]):
-                raise ValueError("tokens do not match the committed length and hash")
-            return SessionHandle(
+            handle = SessionHandle(
                 session_id=session_id, version=int(f["version"]), tokens=tokens,
                 verifier=f.get("verifier", ""), verifier_len=int(f.get("verifier_len", 0)),
                 drafter=f.get("drafter", ""), drafter_len=int(f.get("drafter_len", 0)),
                 target=f.get("target", ""), keep=f.get("keep") == "1",
                 turn=json.loads(f.get("turn") or "{}"), last_trace=f.get("trace", ""),
                 tenant=f.get("tenant", ""))
+            if len(tokens) != int(f["committed_len"]) or handle.prefix_hash(len(tokens)) != int(
+                    f["committed_hash"]):  # (its hasher then holds the states the commits use)
+                raise ValueError("tokens do not match the committed length and hash")
+            return handle
         except (ValueError, KeyError) as exc:
             raise Unavailable(f"session {session_id!r} handle is corrupt in Redis ({exc}); "
                               "close it and start a new session") from exc
@@ -287,7 +295,7 @@ class SessionStore:
     def _fields(h: SessionHandle, created: bool) -> list:
         now = f"{time.time():.3f}"
         fields = [  # committed_len first: _COMMIT reads it as ARGV[7]
-            "committed_len", len(h.tokens), "committed_hash", token_hash(h.tokens),
+            "committed_len", len(h.tokens), "committed_hash", h.prefix_hash(len(h.tokens)),
             "verifier", h.verifier, "verifier_len", h.verifier_len,
             "drafter", h.drafter, "drafter_len", h.drafter_len,
             "target", h.target, "keep", int(h.keep), "turn", json.dumps(h.turn),

@@ -177,6 +177,37 @@ def test_commit_appends_tokens_and_bumps_version(redis_server, prefix, sync):
     assert sync.get(prefix + sid + ":tokens") == packed([10, 11, 12, 13, 14, 15])
 
 
+def test_commits_round_after_round_keep_the_hash_of_every_committed_token(redis_server, prefix,
+                                                                          sync):
+    """The handle hashes its growing tokens incrementally (services/hashing.py
+    PrefixHasher): over rounds that cross its saved states, and after a resume whose hasher
+    starts from the loaded tokens, Redis holds the hash of all of them."""
+    sid = new_id()
+
+    def stored_hash() -> int:
+        return int(sync.hget(prefix + sid, "committed_hash"))
+
+    async def body(store):
+        h = handle(sid, list(range(50)))
+        await store.create(h)
+        await store.acquire(sid, "owner-1")
+        seen = []
+        for i in range(40):  # 1-4 tokens a round: 50 -> 150 tokens
+            new = [1000 + i] * (1 + i % 4)
+            h.tokens += new
+            await store.commit(h, new, "owner-1")
+            seen.append(stored_hash() == token_hash(h.tokens))
+        resumed = await store.load(sid)
+        resumed.tokens += [7, 8, 9]
+        await store.commit(resumed, [7, 8, 9], "owner-1")
+        return h.tokens, seen, await store.load(sid)
+
+    tokens, seen, last = run(redis_server, prefix, body)
+    assert len(tokens) == 150 and all(seen)
+    assert last.tokens == tokens + [7, 8, 9]
+    assert stored_hash() == token_hash(tokens + [7, 8, 9])
+
+
 def _snapshot(sync, prefix, sid):
     return (sync.hgetall(prefix + sid), sync.get(prefix + sid + ":tokens"))
 
