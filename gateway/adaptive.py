@@ -75,6 +75,12 @@ class CostModel:
     max_weight: float = 0.5  # of one cycle seen after many rounds at other k
     # every request's rounds, to seed new requests' α (the engine shares one per drafter kind)
     acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(decay=0.98))
+    # The probes of a controller while k = 0 wins (AdaptiveK): rounds without drafts since the
+    # last drafting round, and how far the probes' interval has backed off. They live here,
+    # with the costs the probes refresh, so that one lone request after another at this load
+    # and context goes on with the schedule instead of probing from its 8th round again.
+    since_draft: int = 0
+    probe_backoff: int = 0
     _clock: int = 0  # cycles observed, any k
     _seen: dict[int, int] = field(default_factory=dict)  # k -> _clock when last observed
 
@@ -182,7 +188,8 @@ class AdaptiveK:
     probe_every: int = 8  # while k = 0 wins, draft 1 token (``only``: that k) for
     #                       ``probe_rounds`` rounds after this many rounds, then after
     #                       twice, 4 and 8 times as many while k = 0 keeps winning (a probe
-    #                       that does not pay costs a few rounds' worth);
+    #                       that does not pay costs a few rounds' worth), counted over the
+    #                       requests that share ``costs`` (CostModel.since_draft);
     #                       while k > 0 wins, try k − 1, k + 1, k − 1 and k = 0 in turn every
     #                       this many rounds
     max_backoff: int = 3
@@ -193,8 +200,6 @@ class AdaptiveK:
     #                        lone probe round was never measured, so one slow drafting cycle
     #                        seen early (a busy machine) kept k = 0 winning for good.
     _burst: int = 0  # rounds of the current probe still to draft
-    _since_draft: int = 0
-    _backoff: int = 0
     _rounds: int = 0
     _counts: AcceptanceCounts = field(init=False)
 
@@ -220,14 +225,15 @@ class AdaptiveK:
             k = self.only or 1
         else:
             k = best_k(self.alpha, self.costs, self.k_max, self.only)
+            costs = self.costs  # (the probes' schedule is shared: CostModel.since_draft)
             if k == 0:
-                if self._since_draft + 1 >= self.probe_every << self._backoff:
+                if costs.since_draft + 1 >= self.probe_every << costs.probe_backoff:
                     # keep α and the drafting cycle fresh: acceptance and costs may have changed
                     k = self.only or 1
                     self._burst = self.probe_rounds - 1
-                    self._backoff = min(self.max_backoff, self._backoff + 1)
+                    costs.probe_backoff = min(self.max_backoff, costs.probe_backoff + 1)
             else:
-                self._backoff = 0
+                costs.probe_backoff = 0
                 if self._rounds % self.probe_every == self.probe_every - 1:
                     # Keep the neighbours' measured costs fresh, and the cost of not
                     # speculating at all: every k is weighed against it, and a cycle
@@ -240,7 +246,7 @@ class AdaptiveK:
                     elif not self.only:
                         k = min(self.k_max, max(0, k + (1 if probe % 2 else -1)))
         self._rounds += 1
-        self._since_draft = 0 if k else self._since_draft + 1
+        self.costs.since_draft = 0 if k else self.costs.since_draft + 1
         return k
 
     def observe(self, k: int, accepted: int) -> None:
