@@ -53,6 +53,16 @@ class PrefixHasher:
         """The list now holds its first ``n`` tokens (what it held after them is gone)."""
         del self._states[n // self.STRIDE + 1:]
 
+    def __deepcopy__(self, memo: dict) -> PrefixHasher:
+        """A copy for a copy of the list (hashlib states do not pickle; they copy)."""
+        twin = PrefixHasher()
+        twin._states = [state.copy() for state in self._states]
+        return twin
+
+    def __reduce__(self):
+        """Pickled as a new hasher: the states are a cache, made again from the list."""
+        return PrefixHasher, ()
+
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
     """The name of a prefix-cache block (services/prefix_cache.py): blake2b-64 of the parent

@@ -34,7 +34,8 @@ class SessionCache:
     hashes: list[int] = field(default_factory=list)  # each of those blocks' chained hash
     # hashes prefixes of ``tokens`` for checkouts' base_hash checks; tokens only change by
     # appending or by ``crop`` (and ``_restore`` on a fresh entry, which replaces it)
-    hasher: PrefixHasher = field(default_factory=PrefixHasher, repr=False, compare=False)
+    hasher: PrefixHasher = field(default_factory=PrefixHasher, init=False, repr=False,
+                                 compare=False)
 
     @property
     def chain(self) -> int:

@@ -98,7 +98,9 @@ class SessionHandle:
     tenant: str = ""  # name of the API key that created the session ("" = no authentication)
     # hashes prefixes of ``tokens``, which only ever grow, at a cost independent of their
     # length (each round's cache deltas and commit name one)
-    hasher: PrefixHasher = field(default_factory=PrefixHasher, repr=False, compare=False)
+    # (not an init field: dataclasses.replace with other tokens gets a hasher of its own)
+    hasher: PrefixHasher = field(default_factory=PrefixHasher, init=False, repr=False,
+                                 compare=False)
 
     def prefix_hash(self, n: int) -> int:
         """token_hash(tokens[:n])."""

@@ -91,3 +91,25 @@ def test_a_replica_checkout_accepts_the_prefix_it_holds_after_crops_and_refuses_
             pass
     with caches.checkout("s", len(now), by_hand(now)) as entry:
         assert entry.tokens == now
+
+
+def test_a_handle_copied_deep_replaced_or_pickled_hashes_its_own_tokens():
+    """Handles are copied (tests of a lost Redis reply deep-copy the gateway's view) and may
+    be replaced with other tokens: each copy must hash its own list, never through states
+    built from another's."""
+    import copy
+    import dataclasses
+    import pickle
+
+    from services.session_store import SessionHandle
+
+    h = SessionHandle(session_id="s", version=1, tokens=list(range(3 * STRIDE)))
+    assert h.prefix_hash(len(h.tokens)) == by_hand(h.tokens)  # states saved to 3 strides
+    twin = copy.deepcopy(h)
+    twin.tokens += [5, 6]
+    assert twin.prefix_hash(len(twin.tokens)) == by_hand(twin.tokens)
+    assert h.prefix_hash(len(h.tokens)) == by_hand(h.tokens)
+    other = dataclasses.replace(h, tokens=[-1] * (3 * STRIDE))
+    assert other.prefix_hash(3 * STRIDE) == by_hand([-1] * (3 * STRIDE))
+    revived = pickle.loads(pickle.dumps(h))
+    assert revived.prefix_hash(2 * STRIDE + 1) == by_hand(h.tokens[:2 * STRIDE + 1])
