@@ -79,11 +79,11 @@ def _held(draft: DraftResult, old: int) -> tuple[int, ...]:
     return draft.token_ids[: max(0, draft.cached_len - old)]
 
 
-def _delta(h: SessionHandle, tokens: list[int], base: int) -> CacheDelta:
-    """The cache delta of ``tokens`` (h's committed tokens, then perhaps drafts) for a replica
-    holding their first ``base``, at most the committed ones."""
+def _delta(h: SessionHandle, base: int, drafts: tuple[int, ...] = ()) -> CacheDelta:
+    """The cache delta of h's committed tokens (then ``drafts``) for a replica holding the
+    first ``base`` of them."""
     return CacheDelta(session_id=h.session_id, base_len=base, base_hash=h.prefix_hash(base),
-                      new_tokens=tuple(tokens[base:]))
+                      new_tokens=(*h.tokens[base:], *drafts))
 
 
 @dataclass(frozen=True)
@@ -291,10 +291,9 @@ class RoundRunner:
         fanout = self._fanout(replica)
         if not fanout:
             return None, 0
-        ext = [*h.tokens, *drafted.token_ids]
         base = min(valid, len(h.tokens) - 1)  # logits from the last committed token on
         call = SpeculateCall(
-            cache=_delta(h, ext, base), num_drafts=len(drafted.token_ids),
+            cache=_delta(h, base, drafted.token_ids), num_drafts=len(drafted.token_ids),
             num_tokens=k, params=params, seed=seed, max_support=self.config.max_support,
             max_branches=fanout, acceptance=acceptance)
         try:
@@ -373,7 +372,7 @@ class RoundRunner:
         """Drafts k tokens; None (no drafter could answer) runs the round with k = 0."""
 
         async def call(replica, base: int) -> DraftResult:
-            delta = _delta(h, h.tokens, base)
+            delta = _delta(h, base)
             return await clients.draft(replica, DraftCall(
                 cache=delta, num_tokens=k, params=params, seed=seed,
                 max_support=self.config.max_support), self._timeout(deadline))
@@ -392,7 +391,7 @@ class RoundRunner:
 
         async def call(replica, base: int) -> VerifyResult:
             return await clients.verify(replica, VerifyCall(
-                cache=_delta(h, h.tokens, base),
+                cache=_delta(h, base),
                 draft_ids=draft.token_ids if draft else (),
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
                 params=params, seed=seed, logprobs=logprobs), self._timeout(deadline))

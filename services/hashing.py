@@ -7,13 +7,19 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+if array("i").itemsize != 4:  # pragma: no cover - every supported platform has 4-byte int
+    raise RuntimeError("array('i') is not 32-bit on this platform")
+
+
+def _int32(tokens: Sequence[int]) -> bytes:
+    """The tokens as the bytes every hash here reads: int32 in the machine's (little-endian)
+    order."""
+    return array("i", tokens).tobytes()
+
 
 def token_hash(tokens: Sequence[int]) -> int:
     """blake2b-64 of the tokens as little-endian int32, as an unsigned int."""
-    data = array("i", tokens)
-    if data.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte int
-        raise RuntimeError("array('i') is not 32-bit on this platform")
-    return int.from_bytes(hashlib.blake2b(data.tobytes(), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(_int32(tokens), digest_size=8).digest(), "little")
 
 
 class PrefixHasher:
@@ -42,11 +48,11 @@ class PrefixHasher:
         while len(self._states) <= at:
             i = len(self._states) - 1
             state = self._states[-1].copy()
-            state.update(array("i", tokens[i * step:(i + 1) * step]).tobytes())
+            state.update(_int32(tokens[i * step:(i + 1) * step]))
             self._states.append(state)
         state = self._states[at].copy()
         if n > at * step:
-            state.update(array("i", tokens[at * step:n]).tobytes())
+            state.update(_int32(tokens[at * step:n]))
         return int.from_bytes(state.digest(), "little")
 
     def crop(self, n: int) -> None:
@@ -70,7 +76,7 @@ def block_hash(parent: int, tokens: Sequence[int]) -> int:
     block's tokens as little-endian int32, so it names the whole prefix up to the block's
     end. Replicas and the gateway's router compute it alike."""
     h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
-    h.update(array("i", tokens).tobytes())
+    h.update(_int32(tokens))
     return int.from_bytes(h.digest(), "little")
 
 

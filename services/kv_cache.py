@@ -33,7 +33,7 @@ class SessionCache:
     published: int = 0  # leading tokens whose blocks are in the prefix cache
     hashes: list[int] = field(default_factory=list)  # each of those blocks' chained hash
     # hashes prefixes of ``tokens`` for checkouts' base_hash checks; tokens only change by
-    # appending or by ``crop`` (and ``_restore`` on a fresh entry, which replaces it)
+    # appending or by ``crop`` (``_restore`` fills a fresh entry's, before any hashing)
     hasher: PrefixHasher = field(default_factory=PrefixHasher, init=False, repr=False,
                                  compare=False)
 
@@ -154,7 +154,7 @@ class SessionCaches:
         if blocks:
             restore(entry.kv, blocks)
             entry.published = len(blocks) * self.prefix.block
-            entry.tokens, entry.hasher = list(tokens[:entry.published]), PrefixHasher()
+            entry.tokens = list(tokens[:entry.published])  # (a fresh entry: nothing hashed)
             entry.hashes = list(hashes)
 
     def _publish(self, entry: SessionCache, committed: int) -> None:
