@@ -185,6 +185,7 @@ class FeedJob(StepJob):
 
     def __init__(self, entry, pending: list[int], chunk: int) -> None:
         self.entry, self.pending, self.chunk = entry, list(pending), chunk  # its own: it shrinks
+        self.feeds = len(self.pending)  # tokens it feeds in all
         self._feeding = False
 
     def next_row(self) -> Row:

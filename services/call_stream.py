@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.errors import RESYNC_KEY, RESYNC_VALUE, InvalidArgument
+from services.errors import RESYNC_KEY, RESYNC_VALUE, InvalidArgument, status_of
 from specmesh.v1 import common_pb2
 
 
@@ -36,7 +36,7 @@ class Drain:
         self.draining = True
 
 
-_DRAINING = common_pb2.CallError(
+DRAINING = common_pb2.CallError(
     code=grpc.StatusCode.UNAVAILABLE.value[0],
     message="this replica is shutting down: send the call to another replica")
 
@@ -80,6 +80,23 @@ class CallContext:
 MAX_BATCH_CALLS = 256  # calls in one VerifyBatch / DraftBatch
 
 
+def check_batch(requests) -> None:
+    """Raises InvalidArgument for a batched RPC with no calls or more than MAX_BATCH_CALLS."""
+    if not requests:
+        raise InvalidArgument("a batch needs at least one call")
+    if len(requests) > MAX_BATCH_CALLS:
+        raise InvalidArgument(f"a batch holds at most {MAX_BATCH_CALLS} calls, got "
+                              f"{len(requests)}: split it")
+
+
+def call_error(exc: BaseException, where: str) -> common_pb2.CallError:
+    """The CallError of one call that failed with ``exc``: the status its unary RPC would
+    have ended with (services/errors.py ``status_of``)."""
+    code, message, trailing = status_of(exc, where)
+    return common_pb2.CallError(code=code.value[0], message=message,
+                                resync=(RESYNC_KEY, RESYNC_VALUE) in trailing)
+
+
 async def _answer(request, context, run: Callable[[object, CallContext], Awaitable[object]],
                   reply: Callable[[int, object | None, common_pb2.CallError | None], object],
                   drain: Drain | None):
@@ -87,7 +104,7 @@ async def _answer(request, context, run: Callable[[object, CallContext], Awaitab
     with (UNAVAILABLE while ``drain`` is draining)."""
     try:
         if drain is not None and drain.draining:
-            return reply(request.id, None, _DRAINING)
+            return reply(request.id, None, DRAINING)
         return reply(request.id, await run(request, CallContext(context)), None)
     except CallAborted as aborted:
         return reply(request.id, None, aborted.to_pb())
@@ -128,10 +145,6 @@ async def serve_batch(requests, context,
     model's queue before the model thread takes its next step: they share one pass.
     Raises InvalidArgument for an empty or oversized batch; a second call for one session
     answers ABORTED (the session is busy), as a concurrent unary call would."""
-    if not requests:
-        raise InvalidArgument("a batch needs at least one call")
-    if len(requests) > MAX_BATCH_CALLS:
-        raise InvalidArgument(f"a batch holds at most {MAX_BATCH_CALLS} calls, got "
-                              f"{len(requests)}: split it")
+    check_batch(requests)
     return list(await asyncio.gather(*(_answer(r, context, run, reply, drain)
                                        for r in requests)))

@@ -7,6 +7,7 @@ what to fix.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -79,17 +80,28 @@ def _metadata(err: SpecMeshError) -> tuple[tuple[str, str], ...]:
     return ((RESYNC_KEY, RESYNC_VALUE),) if isinstance(err, ResyncRequired) else ()
 
 
+def status_of(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str, tuple]:
+    """The status a failure of ``where`` (a servicer method) answers: (code, message,
+    trailing metadata). SpecMeshError keeps its code, ValueError is INVALID_ARGUMENT, a
+    cancellation CANCELLED; anything else is a bug, logged, and INTERNAL."""
+    if isinstance(exc, SpecMeshError):
+        return exc.code, str(exc), _metadata(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED, "the call was cancelled", ()
+    log.error("internal error in %s", where, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
+
+
 def grpc_errors(method: Callable) -> Callable:
     """Maps SpecMeshError (and ValueError) raised by a servicer method to a gRPC status."""
 
     async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-        if isinstance(exc, SpecMeshError):
-            context.set_trailing_metadata(_metadata(exc))
-            await context.abort(exc.code, str(exc))
-        if isinstance(exc, ValueError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        log.exception("internal error in %s", method.__qualname__)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        code, message, trailing = status_of(exc, method.__qualname__)
+        if trailing:
+            context.set_trailing_metadata(trailing)
+        await context.abort(code, message)
 
     if inspect.isasyncgenfunction(method):
 

@@ -102,17 +102,30 @@ class ModelRunner:
         """Runs ``job`` (a step job joins the running batch at its next step); returns (its
         result, the compute milliseconds of the passes it took part in, the largest batch it
         ran in). Errors of the job are raised here."""
-        if self._pending >= self._max_queue:
-            raise Overloaded(f"model queue is full ({self._max_queue} calls waiting): retry later")
-        self._pending += 1
-        try:
-            future = asyncio.get_running_loop().create_future()
+        return await self.submit_many([job])[0]
+
+    def submit_many(self, jobs: Sequence[StepJob | SoloJob]) -> list[asyncio.Future]:
+        """Queues ``jobs`` together (step jobs join the same next step); per job a future of
+        what ``submit`` returns, or of its error: Overloaded for each job past a full queue.
+        Cancelling a job's future takes it out of the batch."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for job in jobs:
+            future = loop.create_future()
+            futures.append(future)
+            if self._pending >= self._max_queue:
+                future.set_exception(Overloaded(
+                    f"model queue is full ({self._max_queue} calls waiting): retry later"))
+                continue
+            self._pending += 1
+            future.add_done_callback(self._leave)
             self._waiting.append((job, future))
-            if self._drainer is None:
-                self._drainer = asyncio.create_task(self._drain())
-            return await future
-        finally:
-            self._pending -= 1
+        if self._waiting and self._drainer is None:
+            self._drainer = asyncio.create_task(self._drain())
+        return futures
+
+    def _leave(self, _: asyncio.Future) -> None:
+        self._pending -= 1
 
     async def _drain(self) -> None:
         """Continuous batching: each pass is one step of every active job; between passes

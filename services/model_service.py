@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
@@ -95,6 +96,35 @@ class ModelServiceRpcs:
         m.batch_size.record(result.batch_size)
         m.fed_tokens.add(len(delta.new_tokens))
         return result
+
+    async def observed_many(self, deltas: Sequence[CacheDelta],
+                            work: Callable[[], Awaitable[list]]) -> list:
+        """Runs the calls of one batched RPC (``work`` answers each with its result or its
+        error) and records per call what ``observed`` records, the counters added once for
+        the batch; the server span gets the batch's summary."""
+        m = self.metrics
+        m.inflight.add(len(deltas))
+        try:
+            outcomes = await work()
+        finally:
+            m.inflight.add(-len(deltas))
+        counts: Counter[str] = Counter()
+        fed = 0
+        for delta, outcome in zip(deltas, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                counts["resync" if isinstance(outcome, ResyncRequired) else "error"] += 1
+                continue
+            counts["ok"] += 1
+            fed += len(delta.new_tokens)
+            m.forward.record(outcome.compute_ms / 1000.0)
+            m.batch_size.record(outcome.batch_size)
+        for outcome, n in counts.items():
+            m.calls.add(n, {"outcome": outcome})
+        m.fed_tokens.add(fed)
+        span = trace.get_current_span()
+        span.set_attribute("specmesh.calls", len(deltas))
+        span.set_attribute("specmesh.failed_calls", len(deltas) - counts["ok"])
+        return outcomes
 
     @grpc_errors
     async def Release(self, request, context):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from services.batching import Row, StepJob, forward_rows
+from services.errors import Busy, InvalidArgument, ResyncRequired
 from services.hashing import token_hash
 from services.kv_cache import SessionCaches
 from services.messages import CacheDelta, VerifyCall
@@ -332,3 +333,101 @@ def test_rows_are_grouped_by_the_deepest_prefix_block_they_all_share():
                                                     ([5, 6], 16)]
     assert shared_prefixes([_row([1, 2, 3])], min_tokens=16) == []  # alone
     assert shared_prefixes(rows) == []  # the default: at least 128 tokens
+
+
+def test_verify_many_runs_the_good_calls_in_one_pass_and_fails_the_others_alone(
+        target_model, tiny_pair):
+    """A gateway step as the verifier takes it (VerifierEngine.verify_many): the good calls
+    answer what they answer one by one, in one pass; a second call for a session in the
+    same step (Busy), a stale prefix (resync) and a bad draft token fail alone; every
+    session is free again afterwards."""
+    vocab = target_model[0].config.vocab_size
+    calls = _calls(vocab, SamplingParams(), 4)
+    busy = calls[1]  # the same session again, in the same step
+    stale = VerifyCall(cache=CacheDelta(session_id="stale", base_len=3, base_hash=1,
+                                        new_tokens=(5,)), draft_ids=(), q_ids=(), q_probs=(),
+                       params=SamplingParams(), seed=0)
+    bad = VerifyCall(cache=CacheDelta(session_id="bad", base_len=0, base_hash=token_hash([]),
+                                      new_tokens=(5, 6)), draft_ids=(vocab + 3,), q_ids=(),
+                     q_probs=(), params=SamplingParams(), seed=0)
+
+    async def alone():
+        engine = _engine(target_model, tiny_pair, max_batch=1)
+        return [await engine.verify(c) for c in calls]
+
+    async def step():
+        engine = _engine(target_model, tiny_pair, max_batch=16)
+        out = await engine.verify_many([calls[0], calls[1], busy, stale, calls[2], bad,
+                                        calls[3]])
+        passes = engine.stats.forward_passes
+        again = await engine.verify(calls[1])  # base_len 0: starts the session over
+        return out, passes, again
+
+    want = asyncio.run(alone())
+    out, passes, again = asyncio.run(step())
+    good = [out[0], out[1], out[4], out[6]]
+    assert passes == 1
+    for a, b in zip(want, good, strict=True):
+        assert (a.num_accepted, a.extra_token, a.cached_len) == \
+            (b.num_accepted, b.extra_token, b.cached_len)
+        assert b.batch_size == 4
+    assert isinstance(out[2], Busy)
+    assert isinstance(out[3], ResyncRequired)
+    assert isinstance(out[5], InvalidArgument) and "vocabulary" in str(out[5])
+    assert (again.num_accepted, again.extra_token) == (want[1].num_accepted, want[1].extra_token)
+
+
+def test_a_cancelled_step_frees_its_sessions_and_drops_their_caches(target_model, tiny_pair):
+    """A VerifyBatch whose caller goes away while its pass runs: its sessions are not left
+    busy, and their half-written caches are dropped (the next call resyncs), as a cancelled
+    unary call's are."""
+    model, _ = target_model
+    vocab = model.config.vocab_size
+    calls = _calls(vocab, SamplingParams(), 3)
+
+    async def main():
+        engine = _engine(target_model, tiny_pair, max_batch=16)
+        task = asyncio.create_task(engine.verify_many(calls))
+        while engine.queue_depth < len(calls):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while engine.queue_depth:  # the pass that was under way ends
+            await asyncio.sleep(0.005)
+        h = calls[0].cache
+        follow_up = VerifyCall(cache=CacheDelta(session_id=h.session_id, base_len=len(h.new_tokens),
+                                                base_hash=token_hash(list(h.new_tokens)),
+                                                new_tokens=(5,)),
+                               draft_ids=(), q_ids=(), q_probs=(), params=SamplingParams(),
+                               seed=0)
+        with pytest.raises(ResyncRequired):
+            await engine.verify(follow_up)
+        return await engine.verify_many(calls)
+
+    out = asyncio.run(main())
+    assert all(not isinstance(o, BaseException) for o in out), out
+
+
+def test_a_full_queue_refuses_the_calls_past_it_and_runs_the_rest(target_model, tiny_pair):
+    """submit_many against a queue with room for two: the third and fourth calls of the
+    step answer RESOURCE_EXHAUSTED at once, the first two run; the queue counts only the
+    calls that run, and is empty once they are done."""
+    model, tokenizer = target_model
+    meta = describe(tiny_pair[0], model, tokenizer)
+    runner = ModelRunner(model, meta, torch.device("cpu"), max_queue=2, max_batch=16)
+    engine = VerifierEngine(runner, SessionCaches(64, runner.new_kv), max_draft_tokens=16)
+    calls = _calls(model.config.vocab_size, SamplingParams(), 4)
+
+    async def main():
+        out = await engine.verify_many(calls)
+        return out, engine.queue_depth
+
+    try:
+        out, depth = asyncio.run(main())
+    finally:
+        runner.close()
+    assert [type(o).__name__ for o in out] == ["VerifyResult", "VerifyResult", "Overloaded",
+                                               "Overloaded"]
+    assert out[2].code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert depth == 0

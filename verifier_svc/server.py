@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from services.call_stream import Drain, serve_batch, serve_calls
+from services.call_stream import DRAINING, Drain, call_error, check_batch, serve_calls
 from services.config import ModelServiceConfig
 from services.convert import verify_call_from_pb, verify_result_to_pb
 from services.errors import grpc_errors
@@ -37,9 +37,26 @@ class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
 
     @grpc_errors
     async def VerifyBatch(self, request, context):
-        """A gateway's step: Verify calls of many sessions, in one forward pass."""
-        outcomes = await serve_batch(request.calls, context, self._run_call, _reply, self.drain)
-        return verifier_pb2.VerifyBatchResponse(outcomes=outcomes)
+        """A gateway's step: Verify calls of many sessions, in one forward pass, handled as
+        a whole (VerifierEngine.verify_many). Each call answers what its unary Verify would."""
+        check_batch(request.calls)
+        if self.drain is not None and self.drain.draining:
+            return verifier_pb2.VerifyBatchResponse(
+                outcomes=[_reply(r.id, None, DRAINING) for r in request.calls])
+        calls = [verify_call_from_pb(r.call) for r in request.calls]
+        outcomes = await self.observed_many([c.cache for c in calls],
+                                            lambda: self.engine.verify_many(calls))
+        drafted = accepted = 0
+        for call, outcome in zip(calls, outcomes, strict=True):
+            if not isinstance(outcome, BaseException):
+                drafted += len(call.draft_ids)
+                accepted += outcome.num_accepted
+        self.metrics.draft_tokens.add(drafted)
+        self.metrics.accepted_tokens.add(accepted)
+        return verifier_pb2.VerifyBatchResponse(outcomes=[
+            _reply(r.id, None, call_error(o, "VerifyBatch")) if isinstance(o, BaseException)
+            else _reply(r.id, verify_result_to_pb(o), None)
+            for r, o in zip(request.calls, outcomes, strict=True)])
 
     def _run_call(self, request, call_context):
         return self.Verify(request.call, call_context)
