@@ -18,7 +18,7 @@ after its commit returned.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.step_batch import gather_wave
@@ -35,8 +35,12 @@ class CommitBatcher:
     """Commits to ``store`` a pipeline at a time; ``on_pipeline`` is told each one's size."""
 
     def __init__(self, store: SessionStore, max_turns: int = 16,
-                 on_pipeline: Callable[[int], None] = lambda size: None) -> None:
+                 on_pipeline: Callable[[int], None] = lambda size: None,
+                 first: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``first``: what a pipeline waits for once its wave is gathered (the engine's: the
+        wave's step RPCs going out, gateway/step_batch.py ``steps_sent``)."""
         self.store = store
+        self._first = first
         self._on_pipeline = on_pipeline
         self._max_turns = max_turns
         self._queue: list[_Queued] = []
@@ -58,6 +62,8 @@ class CommitBatcher:
         batch: list[_Queued] = []
         try:
             await gather_wave(lambda: len(self._queue), self._max_turns)
+            if self._first is not None:
+                await self._first()
             # A caller that went away still has its commit sent: its handle stays in step
             # with Redis (the version), and a repeated commit is safe anyway.
             batch, self._queue = self._queue, []

@@ -30,6 +30,7 @@ from gateway.draft_length import DraftLength
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
 from gateway.rounds import RoundResult, RoundRunner, SpecCache, commit_round
+from gateway.step_batch import StepBatcher, steps_sent
 from gateway.telemetry import RequestTelemetry
 from gateway.turns import TurnRecord, resumed_spec
 from services.config import GatewayConfig
@@ -82,13 +83,19 @@ class GenerationEngine:
             meter, lambda: self._inflight,
             lambda: [(kind, level, s) for (kind, level), s in list(self.k.switches.items())])
         # a round's commit goes with those of its step's other sessions
-        self.commits = CommitBatcher(store, on_pipeline=self.metrics.commit_batch.record)
+        # (after the wave's steps went out: the steps are on every session's critical path)
+        self.commits = CommitBatcher(store, on_pipeline=self.metrics.commit_batch.record,
+                                     first=lambda: steps_sent(self._step_batchers))
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
         self.k = DraftLength(config, limits, drafters, lambda: self._inflight)
         verifiers.merge_plain = self.k.merge_plain
         self._inflight = 0
         self._background: set[asyncio.Task] = set()  # clean-ups still running
+
+    def _step_batchers(self) -> list[StepBatcher]:
+        return [b for pool in (self.verifiers, self.drafters)
+                for replica in pool.replicas.values() for b in replica.steps.values()]
 
     # ----- request lifecycle -------------------------------------------------------------
 

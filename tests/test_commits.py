@@ -11,8 +11,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.commits import CommitBatcher
+from gateway.step_batch import StepBatcher, steps_sent
 from services.errors import Busy, Unavailable
 from services.session_store import SessionHandle, SessionStore
+from specmesh.v1 import verifier_pb2
 from tests.conftest import start_redis
 
 
@@ -158,3 +160,48 @@ def test_redis_down_fails_every_commit_of_the_pipeline(tmp_path):
             proc.wait(10)
     assert all(isinstance(r, Unavailable) for r in results)
     assert len({id(r) for r in results}) == 3, "each caller raises its own error"
+
+
+@pytest.mark.parametrize("steps_first", [True, False], ids=["steps-first", "no-hook"])
+def test_a_waves_pipeline_goes_after_its_step_rpcs(redis_url, steps_first):
+    """The engine's order (gateway/engine.py): each session that an answer wakes saves its
+    round (a commit) and makes its next Verify call from a task of its own, a turn later.
+    The commits are off the critical path, the step is on every session's: with
+    ``first=steps_sent``, the wave's pipeline starts only once its step's RPC went out.
+    Without it (the control), the pipeline is packed and written first."""
+    order: list[str] = []
+
+    class Recorded(GatedStore):
+        async def commit_many(self, commits):
+            order.append("commit")
+            return await super().commit_many(commits)
+
+    async def send_batch(requests, timeout):
+        order.append("step")
+        return [verifier_pb2.VerifyStreamResponse(id=i, result=verifier_pb2.VerifyResponse())
+                for i in range(len(requests))]
+
+    async def main():
+        client = aioredis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        store = Recorded(client, 60, 5.0, prefix=f"commits:{uuid.uuid4().hex}:")
+        step = StepBatcher("Verify", lambda request, timeout: send_batch([request], timeout),
+                           send_batch)
+        batcher = CommitBatcher(store, first=(lambda: steps_sent(lambda: [step]))
+                                if steps_first else None)
+        try:
+            handles = await sessions(store, 4)
+
+            async def session(h, i):
+                saving = asyncio.create_task(advance(batcher, h, [10 + i]))
+                await asyncio.sleep(0)  # its round runs as a task of its own
+                await step.call(i, 5.0)
+                await saving
+
+            await asyncio.gather(*(session(h, i) for i, h in enumerate(handles)))
+            return [await store.load(h.session_id) for h in handles]
+        finally:
+            await store.close()
+
+    loaded = asyncio.run(main())
+    assert [s.tokens[-1] for s in loaded] == [10, 11, 12, 13]
+    assert order == (["step", "commit"] if steps_first else ["commit", "step"])
