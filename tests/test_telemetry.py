@@ -262,3 +262,31 @@ def test_no_tracing_cost_without_an_exporter():
     traced = run(dict(base, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9"))
     assert traced[0] == "True" and int(traced[1]) >= 1 and int(traced[2]) >= 1
     assert traced[3] == "True"
+
+
+def test_a_round_under_an_unrecorded_request_starts_no_span_and_logs_the_requests_ids():
+    """Round spans (gateway/telemetry.py): under a recorded request span the round span is a
+    recorded child; under one that is not recorded (no exporter: the sampler is off) no
+    span is started, and the round's context is the request's (its log lines carry the
+    request's trace and span ids)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
+
+    from gateway.telemetry import RequestTelemetry
+
+    class Req:
+        class usage:  # noqa: N801 - the attribute a round span reads
+            rounds = 3
+
+    for sampler, recorded in ((ALWAYS_ON, True), (ALWAYS_OFF, False)):
+        tracer = TracerProvider(sampler=sampler).get_tracer("test")
+        telemetry = RequestTelemetry(tracer, metrics=None, model="m")
+        request_span = tracer.start_span("specmesh.generate")
+        round_span = telemetry.round_span(request_span, Req, k=2)
+        assert round_span.is_recording() is recorded
+        parent, child = request_span.get_span_context(), round_span.get_span_context()
+        assert child.trace_id == parent.trace_id and parent.trace_id != 0
+        if recorded:
+            assert child.span_id != parent.span_id and round_span.parent.span_id == parent.span_id
+        else:
+            assert child.span_id == parent.span_id
