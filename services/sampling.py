@@ -197,10 +197,12 @@ def accept_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple
     k = draft_ids.shape[0]
     if target_logits.dim() != 2 or target_logits.shape[0] != k + 1 or target_logits.shape[1] < 1:
         raise ValueError(f"target_logits must have shape [k+1={k + 1}, V], got {tuple(target_logits.shape)}")
-    best = target_logits.argmax(dim=-1)  # [k+1]
-    match = draft_ids.to(torch.int64) == best[:k]  # [k]
-    num_accepted = int(torch.cumprod(match.to(torch.int64), dim=0).sum())
-    return num_accepted, int(best[num_accepted])
+    best = target_logits.argmax(dim=-1).tolist()  # [k+1]
+    drafts = draft_ids.tolist()  # [k]: one tensor op and two reads, not seven ops, per row
+    num_accepted = 0
+    while num_accepted < k and drafts[num_accepted] == best[num_accepted]:
+        num_accepted += 1
+    return num_accepted, best[num_accepted]
 
 
 def accept_sampled(

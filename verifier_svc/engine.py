@@ -33,6 +33,10 @@ from services.sampling import (
     warp_logits,
 )
 
+# A greedy call without drafts (target-only): nothing to build per call. Read-only.
+_NO_DRAFT = SparseDraft(token_ids=torch.empty(0, dtype=torch.long),
+                        q_ids=torch.empty(0, 1, dtype=torch.long), q_probs=torch.empty(0, 1))
+
 
 class VerifierEngine(ModelEngine):
 
@@ -42,6 +46,8 @@ class VerifierEngine(ModelEngine):
             raise InvalidArgument(
                 f"{k} draft tokens exceed this verifier's limit of {self.max_draft_tokens}")
         if call.params.greedy:  # only the tokens matter: a plain range check suffices
+            if not k:
+                return _NO_DRAFT
             check_token_ids(call.draft_ids, self.runner.meta.vocab_size, "draft_token_ids")
             ids = torch.tensor(call.draft_ids, dtype=torch.long)  # [k]
             return SparseDraft(token_ids=ids, q_ids=ids[:, None], q_probs=torch.ones(k, 1))
@@ -123,7 +129,7 @@ class VerifierEngine(ModelEngine):
             raise InvalidArgument(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got "
                                   f"{call.logprobs}")
         draft = self._sparse_draft(call)
-        generator = torch.Generator().manual_seed(call.seed)
+        generator = None if call.params.greedy else torch.Generator().manual_seed(call.seed)
         checkout = self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
                                         delta.new_tokens)
         entry = checkout.__enter__()
@@ -141,7 +147,7 @@ class _VerifyJob(FeedJob):
     off the model thread)."""
 
     def __init__(self, entry: SessionCache, pending: list[int], chunk: int, call: VerifyCall,
-                 draft: SparseDraft, generator: torch.Generator) -> None:
+                 draft: SparseDraft, generator: torch.Generator | None) -> None:
         super().__init__(entry, pending, chunk)
         self.call, self.draft, self.generator = call, draft, generator
         self._result: tuple[int, int] | None = None
