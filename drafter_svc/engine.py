@@ -8,6 +8,9 @@ the next call. Each draft token is sampled from a sparse q: the top
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+
 import torch
 
 from drafter_svc.tree import draft_tree
@@ -48,27 +51,36 @@ def check_speculate(call: SpeculateCall, max_draft_tokens: int) -> None:
 class DrafterEngine(ModelEngine):
 
     async def draft(self, call: DraftCall) -> DraftResult:
-        self.stats.calls += 1
+        outcome, = await self.draft_many([call])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def draft_many(self, calls: Sequence[DraftCall]) -> list[DraftResult | Exception]:
+        """Each call's drafts, or the error it alone fails with; the calls that pass
+        validation run their k steps together (ModelEngine.run_many)."""
+        return await self.run_many(calls, self._begin, self._finish)
+
+    def _begin(self, call: DraftCall) -> tuple[AbstractContextManager, _DraftJob]:
         delta = call.cache
         check_num_tokens(call.num_tokens, self.max_draft_tokens)
         check_draft_params(call.params, call.max_support)
         check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens,
                     call.num_tokens - 1)
         generator = torch.Generator().manual_seed(call.seed)
+        return self.checked_out(delta, lambda entry, fed: _DraftJob(
+            entry, fed, self.prefill_chunk, call, generator))
 
-        with self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
-                                  delta.new_tokens) as entry:
-            fed = entry.unfed(delta.base_len, delta.new_tokens)
-            job = _DraftJob(entry, fed, self.prefill_chunk, call, generator)
-            drafts, ms, batch = await self.runner.submit(job)
-            self.stats.fed_tokens += len(fed)
-            self.stats.draft_tokens += len(drafts)
-            return DraftResult(
-                token_ids=tuple(t for t, _, _ in drafts),
-                q_ids=tuple(tuple(ids) for _, ids, _ in drafts),
-                q_probs=tuple(tuple(q) for _, _, q in drafts),
-                cached_len=len(entry.tokens), cache_hit=delta.base_len > 0, compute_ms=ms,
-                batch_size=batch)
+    def _finish(self, call: DraftCall, job: _DraftJob, answer) -> DraftResult:
+        drafts, ms, batch = answer
+        self.stats.fed_tokens += job.feeds
+        self.stats.draft_tokens += len(drafts)
+        return DraftResult(
+            token_ids=tuple(t for t, _, _ in drafts),
+            q_ids=tuple(tuple(ids) for _, ids, _ in drafts),
+            q_probs=tuple(tuple(q) for _, _, q in drafts),
+            cached_len=len(job.entry.tokens), cache_hit=call.cache.base_len > 0, compute_ms=ms,
+            batch_size=batch)
 
     async def speculate(self, call: SpeculateCall) -> SpeculateResult:
         """The next round's drafts for the likely outcomes of this round's verify

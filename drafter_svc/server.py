@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from opentelemetry import trace
 
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.ngram import NgramDrafterEngine
-from services.call_stream import Drain, serve_batch, serve_calls
+from services.call_stream import Drain, call_error, check_batch, serve_batch, serve_calls
 from services.config import ModelServiceConfig
 from services.convert import (
     draft_call_from_pb,
@@ -54,9 +56,32 @@ class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
 
     @grpc_errors
     async def DraftBatch(self, request, context):
-        """A gateway's step: Draft calls of many sessions, batched on the model."""
-        outcomes = await serve_batch(request.calls, context, self._run_call, _reply, self.drain)
-        return drafter_pb2.DraftBatchResponse(outcomes=outcomes)
+        """A gateway's step: Draft calls of many sessions, batched on the model. A model
+        drafter takes the step's Draft calls as a whole (DrafterEngine.draft_many); Speculate
+        calls, and every call to an n-gram drafter, are answered one by one as on a stream.
+        Each call answers what its unary RPC would."""
+        check_batch(request.calls)
+        many = getattr(self.engine, "draft_many", None)
+        if many is None or (self.drain is not None and self.drain.draining):
+            outcomes = await serve_batch(request.calls, context, self._run_call, _reply,
+                                         self.drain)
+            return drafter_pb2.DraftBatchResponse(outcomes=outcomes)
+        drafts = [r for r in request.calls if r.HasField("draft")]
+        others = [r for r in request.calls if not r.HasField("draft")]
+        calls = [draft_call_from_pb(r.draft) for r in drafts]
+
+        async def alone() -> list:
+            return await serve_batch(others, context, self._run_call, _reply, self.drain) \
+                if others else []
+
+        results, replies = await asyncio.gather(
+            self.observed_many([c.cache for c in calls], lambda: many(calls)), alone())
+        self.metrics.draft_tokens.add(sum(len(r.token_ids) for r in results
+                                          if not isinstance(r, BaseException)))
+        replies += [_reply(r.id, None, call_error(o, "DraftBatch")) if isinstance(o, BaseException)
+                    else _reply(r.id, draft_result_to_pb(o), None)
+                    for r, o in zip(drafts, results, strict=True)]
+        return drafter_pb2.DraftBatchResponse(outcomes=replies)
 
     async def _run_call(self, request, call_context):
         if request.HasField("speculate"):

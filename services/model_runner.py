@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,8 @@ import torch
 
 from services.batching import StepJob, run_step
 from services.errors import InvalidArgument, Overloaded
-from services.messages import ReplicaStats, check_token_ids
+from services.kv_cache import SessionCache
+from services.messages import CacheDelta, ReplicaStats, check_token_ids
 from services.models import ModelMeta
 
 
@@ -244,6 +246,53 @@ class ModelEngine:
 
     def close(self) -> None:
         self.runner.close()
+
+    def checked_out(self, delta: CacheDelta, job: Callable[[SessionCache, list[int]], Any]
+                    ) -> tuple[AbstractContextManager, Any]:
+        """Checks out ``delta``'s session cache and makes its job from (the entry, the tokens
+        still to feed): (the checkout, entered, to exit once the job is done, the job)."""
+        checkout = self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
+                                        delta.new_tokens)
+        entry = checkout.__enter__()
+        try:
+            return checkout, job(entry, entry.unfed(delta.base_len, delta.new_tokens))
+        except BaseException as exc:
+            checkout.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    async def run_many(self, calls: Sequence[Any],
+                       begin: Callable[[Any], tuple[AbstractContextManager, Any]],
+                       finish: Callable[[Any, Any, tuple[Any, float, int]], Any]) -> list:
+        """Each call's result, or the error it alone fails with. ``begin(call)`` validates it
+        and checks out its session: (the checkout, its job), or raises. The jobs of the calls
+        that began are queued together (ModelRunner.submit_many: they share the next step),
+        with no task per call; once a job is done its checkout is exited and
+        ``finish(call, job, (its result, compute ms, batch))`` makes the call's result. A job
+        that failed exits its checkout with the error (the session's cache is dropped); so
+        does every job when the caller is cancelled."""
+        outcomes: list = [None] * len(calls)
+        started: list[tuple[int, AbstractContextManager, Any]] = []
+        for i, call in enumerate(calls):
+            self.stats.calls += 1
+            try:
+                started.append((i, *begin(call)))
+            except Exception as exc:  # noqa: BLE001 - this call's own answer
+                outcomes[i] = exc
+        try:
+            answers = await asyncio.gather(*self.runner.submit_many([j for _, _, j in started]),
+                                           return_exceptions=True)
+        except BaseException as exc:  # cancelled: each checkout drops its half-written cache
+            for _, checkout, _ in started:
+                checkout.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        for (i, checkout, job), answer in zip(started, answers, strict=True):
+            if isinstance(answer, BaseException):
+                checkout.__exit__(type(answer), answer, answer.__traceback__)
+                outcomes[i] = answer
+                continue
+            checkout.__exit__(None, None, None)
+            outcomes[i] = finish(calls[i], job, answer)
+        return outcomes
 
 
 def check_num_tokens(num_tokens: int, limit: int) -> None:

@@ -7,6 +7,7 @@ any cache, for logits; HF greedy generate for the verifier's answers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 
@@ -431,3 +432,48 @@ def test_a_full_queue_refuses_the_calls_past_it_and_runs_the_rest(target_model, 
                                                "Overloaded"]
     assert out[2].code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert depth == 0
+
+
+def test_draft_many_runs_its_calls_k_steps_together_and_fails_the_others_alone(
+        target_model, tiny_pair):
+    """A gateway's DraftBatch as a model drafter takes it (DrafterEngine.draft_many): the
+    good calls draft what they draft one by one, sharing their k passes; a second call for
+    a session in the step (Busy) and a call asking for too many tokens fail alone."""
+    from drafter_svc.engine import DrafterEngine
+    from services.messages import DraftCall
+
+    model, tokenizer = target_model
+    vocab = model.config.vocab_size
+
+    def engine(max_batch: int) -> DrafterEngine:
+        runner = ModelRunner(model, describe(tiny_pair[0], model, tokenizer),
+                             torch.device("cpu"), max_queue=64, max_batch=max_batch)
+        return DrafterEngine(runner, SessionCaches(64, runner.new_kv), max_draft_tokens=8)
+
+    params = SamplingParams(temperature=0.8, top_k=20)
+    calls = [DraftCall(cache=CacheDelta(session_id=f"d{i}", base_len=0, base_hash=token_hash([]),
+                                        new_tokens=tuple(_tokens(300 + i, 5 + 2 * i, vocab))),
+                       num_tokens=4, params=params, seed=11 * i + 1, max_support=8)
+             for i in range(3)]
+    too_many = dataclasses.replace(calls[0], cache=dataclasses.replace(calls[0].cache,
+                                                                       session_id="big"),
+                                   num_tokens=9)
+
+    async def alone():
+        e = engine(1)
+        return [await e.draft(c) for c in calls]
+
+    async def step():
+        e = engine(16)
+        out = await e.draft_many([calls[0], calls[1], calls[1], too_many, calls[2]])
+        return out, e.stats.forward_passes
+
+    want = asyncio.run(alone())
+    out, passes = asyncio.run(step())
+    assert passes == 4, "the three good calls ran their 4 steps together"
+    for a, b in zip(want, [out[0], out[1], out[4]], strict=True):
+        assert (a.token_ids, a.q_ids, a.cached_len) == (b.token_ids, b.q_ids, b.cached_len)
+        torch.testing.assert_close(torch.tensor(a.q_probs), torch.tensor(b.q_probs))
+        assert b.batch_size == 3
+    assert isinstance(out[2], Busy)
+    assert isinstance(out[3], InvalidArgument) and "num_tokens" in str(out[3])

@@ -17,14 +17,14 @@ import pytest
 
 from gateway import clients
 from gateway.replicas import ReplicaPool
-from services.convert import verify_call_to_pb
+from services.convert import draft_call_to_pb, speculate_call_to_pb, verify_call_to_pb
 from services.errors import InvalidArgument, ResyncRequired
 from services.hashing import token_hash
 from services.health import wait_serving
 from services.local_mesh import free_port
 from services.messages import CacheDelta, DraftCall, SpeculateCall, VerifyCall
 from services.params import SamplingParams
-from specmesh.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import hf_greedy
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -338,3 +338,42 @@ def test_a_batch_with_no_calls_or_too_many_is_refused_with_what_to_fix(mesh, pro
             assert message in refused.value.details()
 
     asyncio.run(main())
+
+
+def test_a_draft_batch_mixing_drafts_a_speculation_and_an_empty_call(mesh, prompt):
+    """A DraftBatch the drafter splits: its Draft calls go together (draft_many), its
+    Speculate call and a call with neither field are answered one by one; each answer is
+    what its unary RPC gives, under its own id."""
+    ids, greedy = prompt
+
+    async def main():
+        async with grpc.aio.insecure_channel(mesh.drafter_addresses[0]) as channel:
+            stub = drafter_pb2_grpc.DrafterStub(channel)
+            alone = await stub.Draft(draft_call_to_pb(_draft_call(_sid(), ids)), timeout=30)
+            session = _sid()
+            await stub.Draft(draft_call_to_pb(_draft_call(session, ids[:-1])), timeout=30)
+            ext = [*ids, *greedy[:3]]
+            base = len(ids) - 2
+            speculate = speculate_call_to_pb(SpeculateCall(
+                cache=CacheDelta(session, base, token_hash(ext[:base]), tuple(ext[base:])),
+                num_drafts=3, num_tokens=3, params=GREEDY, seed=2, max_support=8,
+                max_branches=4, acceptance=0.8))
+            calls = [drafter_pb2.DraftStreamRequest(id=7, draft=draft_call_to_pb(
+                         _draft_call(_sid(), ids))),
+                     drafter_pb2.DraftStreamRequest(id=3, speculate=speculate),
+                     drafter_pb2.DraftStreamRequest(id=5),
+                     drafter_pb2.DraftStreamRequest(id=1, draft=draft_call_to_pb(
+                         _draft_call(_sid(), ids)))]
+            batch = await stub.DraftBatch(drafter_pb2.DraftBatchRequest(calls=calls),
+                                          timeout=30)
+            return alone, {o.id: o for o in batch.outcomes}
+
+    alone, by_id = asyncio.run(main())
+    assert sorted(by_id) == [1, 3, 5, 7]
+    for i in (1, 7):
+        assert by_id[i].WhichOneof("outcome") == "draft"
+        assert list(by_id[i].draft.token_ids) == list(alone.token_ids)
+    assert by_id[3].WhichOneof("outcome") == "speculate" and by_id[3].speculate.branches
+    assert by_id[5].WhichOneof("outcome") == "error"
+    assert by_id[5].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "draft or a speculate call" in by_id[5].error.message

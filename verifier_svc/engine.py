@@ -8,7 +8,6 @@ committed length and returns the accepted count and the one extra token.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
@@ -81,43 +80,21 @@ class VerifierEngine(ModelEngine):
 
     async def verify_many(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
         """Each call's result, or the error it alone fails with (a bad request, a stale
-        prefix, a second call for one session, a full queue). The calls that pass validation
-        share the model's next pass: they are checked, checked out and queued in one go, with
-        no task per call, and accounted for together when the pass is done."""
-        outcomes: list[VerifyResult | Exception | None] = [None] * len(calls)
-        started: list[tuple[int, AbstractContextManager, _VerifyJob]] = []
-        for i, call in enumerate(calls):
-            self.stats.calls += 1
-            try:
-                started.append((i, *self._begin(call)))
-            except Exception as exc:  # noqa: BLE001 - this call's own answer
-                outcomes[i] = exc
-        try:
-            answers = await asyncio.gather(*self.runner.submit_many([j for _, _, j in started]),
-                                           return_exceptions=True)
-        except BaseException as exc:  # cancelled: each checkout drops its half-written cache
-            for _, checkout, _ in started:
-                checkout.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        for (i, checkout, job), answer in zip(started, answers, strict=True):
-            if isinstance(answer, BaseException):
-                checkout.__exit__(type(answer), answer, answer.__traceback__)
-                outcomes[i] = answer
-                continue
-            checkout.__exit__(None, None, None)
-            (accepted, extra), ms, batch = answer
-            self.stats.fed_tokens += job.feeds
-            self.stats.draft_tokens += len(job.call.draft_ids)
-            self.stats.accepted_tokens += accepted
-            outcomes[i] = VerifyResult(
-                num_accepted=accepted, extra_token=extra, cached_len=len(job.entry.tokens),
-                cache_hit=job.call.cache.base_len > 0, compute_ms=ms, batch_size=batch,
-                logprobs=job.logprobs)
-        return outcomes
+        prefix, a second call for one session, a full queue); the calls that pass
+        validation share the model's next pass (ModelEngine.run_many)."""
+        return await self.run_many(calls, self._begin, self._finish)
+
+    def _finish(self, call: VerifyCall, job: _VerifyJob, answer) -> VerifyResult:
+        (accepted, extra), ms, batch = answer
+        self.stats.fed_tokens += job.feeds
+        self.stats.draft_tokens += len(call.draft_ids)
+        self.stats.accepted_tokens += accepted
+        return VerifyResult(num_accepted=accepted, extra_token=extra,
+                            cached_len=len(job.entry.tokens), cache_hit=call.cache.base_len > 0,
+                            compute_ms=ms, batch_size=batch, logprobs=job.logprobs)
 
     def _begin(self, call: VerifyCall) -> tuple[AbstractContextManager, _VerifyJob]:
-        """Validates ``call`` and checks out its session's cache: (the checkout, entered, to
-        exit once its job is done, the job). Raises what the call fails with."""
+        """Validates ``call`` and checks out its session's cache (ModelEngine.run_many)."""
         delta = call.cache
         try:
             call.params.validate()
@@ -130,15 +107,8 @@ class VerifierEngine(ModelEngine):
                                   f"{call.logprobs}")
         draft = self._sparse_draft(call)
         generator = None if call.params.greedy else torch.Generator().manual_seed(call.seed)
-        checkout = self.caches.checkout(delta.session_id, delta.base_len, delta.base_hash,
-                                        delta.new_tokens)
-        entry = checkout.__enter__()
-        try:
-            fed = entry.unfed(delta.base_len, delta.new_tokens)
-            return checkout, _VerifyJob(entry, fed, self.prefill_chunk, call, draft, generator)
-        except BaseException as exc:
-            checkout.__exit__(type(exc), exc, exc.__traceback__)
-            raise
+        return self.checked_out(delta, lambda entry, fed: _VerifyJob(
+            entry, fed, self.prefill_chunk, call, draft, generator))
 
 
 class _VerifyJob(FeedJob):
