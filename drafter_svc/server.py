@@ -9,7 +9,7 @@ from opentelemetry import trace
 
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.ngram import NgramDrafterEngine
-from services.call_stream import Drain, call_error, check_batch, serve_batch, serve_calls
+from services.call_stream import Drain, batch_replies, check_batch, serve_batch, serve_calls
 from services.config import ModelServiceConfig
 from services.convert import (
     draft_call_from_pb,
@@ -70,17 +70,16 @@ class DrafterServicer(ModelServiceRpcs, drafter_pb2_grpc.DrafterServicer):
         others = [r for r in request.calls if not r.HasField("draft")]
         calls = [draft_call_from_pb(r.draft) for r in drafts]
 
-        async def alone() -> list:
-            return await serve_batch(others, context, self._run_call, _reply, self.drain) \
-                if others else []
+        async def one_by_one() -> list:  # (queued in the same turn as the drafts' jobs)
+            if not others:
+                return []
+            return await serve_batch(others, context, self._run_call, _reply, self.drain)
 
         results, replies = await asyncio.gather(
-            self.observed_many([c.cache for c in calls], lambda: many(calls)), alone())
+            self.observed_many([c.cache for c in calls], lambda: many(calls)), one_by_one())
         self.metrics.draft_tokens.add(sum(len(r.token_ids) for r in results
                                           if not isinstance(r, BaseException)))
-        replies += [_reply(r.id, None, call_error(o, "DraftBatch")) if isinstance(o, BaseException)
-                    else _reply(r.id, draft_result_to_pb(o), None)
-                    for r, o in zip(drafts, results, strict=True)]
+        replies += batch_replies(drafts, results, draft_result_to_pb, _reply, "DraftBatch")
         return drafter_pb2.DraftBatchResponse(outcomes=replies)
 
     async def _run_call(self, request, call_context):

@@ -89,12 +89,21 @@ def check_batch(requests) -> None:
                               f"{len(requests)}: split it")
 
 
-def call_error(exc: BaseException, where: str) -> common_pb2.CallError:
+def _call_error(exc: BaseException, where: str) -> common_pb2.CallError:
     """The CallError of one call that failed with ``exc``: the status its unary RPC would
     have ended with (services/errors.py ``status_of``)."""
     code, message, trailing = status_of(exc, where)
     return common_pb2.CallError(code=code.value[0], message=message,
                                 resync=(RESYNC_KEY, RESYNC_VALUE) in trailing)
+
+
+def batch_replies(requests, outcomes, to_pb: Callable[[object], object],
+                  reply: Callable[[int, object | None, common_pb2.CallError | None], object],
+                  where: str) -> list:
+    """The stream responses of a batch's calls taken as a whole: per request its outcome's
+    result message (``to_pb``), or the CallError its unary RPC would have ended with."""
+    return [reply(r.id, None, _call_error(o, where)) if isinstance(o, BaseException)
+            else reply(r.id, to_pb(o), None) for r, o in zip(requests, outcomes, strict=True)]
 
 
 async def _answer(request, context, run: Callable[[object, CallContext], Awaitable[object]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from services.call_stream import DRAINING, Drain, call_error, check_batch, serve_calls
+from services.call_stream import DRAINING, Drain, batch_replies, check_batch, serve_calls
 from services.config import ModelServiceConfig
 from services.convert import verify_call_from_pb, verify_result_to_pb
 from services.errors import grpc_errors
@@ -53,10 +53,8 @@ class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
                 accepted += outcome.num_accepted
         self.metrics.draft_tokens.add(drafted)
         self.metrics.accepted_tokens.add(accepted)
-        return verifier_pb2.VerifyBatchResponse(outcomes=[
-            _reply(r.id, None, call_error(o, "VerifyBatch")) if isinstance(o, BaseException)
-            else _reply(r.id, verify_result_to_pb(o), None)
-            for r, o in zip(request.calls, outcomes, strict=True)])
+        return verifier_pb2.VerifyBatchResponse(outcomes=batch_replies(
+            request.calls, outcomes, verify_result_to_pb, _reply, "VerifyBatch"))
 
     def _run_call(self, request, call_context):
         return self.Verify(request.call, call_context)
