@@ -114,8 +114,9 @@ class DraftLength:
         cost nothing there, but only because the previous round's guess held)."""
         k = len(r.drafted)
         if r.pipeline != "used" and r.warm:
+            n = _plain_share(r)
             self._costs(kind, req).observe(
-                k, r.draft_ms, r.verify_ms, r.draft_compute_ms, r.verify_compute_ms)
+                k, r.draft_ms, r.verify_ms / n, r.draft_compute_ms, r.verify_compute_ms / n)
         if req.adaptive is None:  # (an adaptive k feeds the shared counts itself)
             self.acceptance_of(kind).observe(k, r.num_accepted)
         else:
@@ -196,4 +197,12 @@ class DraftLength:
         started, r = req.last_round
         if load_level(self._inflight()) > 0:
             self._switch(kind, req).observe(started, now - started, len(r.proposed))
-        self._costs(kind, req).observe_cycle(len(r.drafted), (now - started) * 1000.0)
+        self._costs(kind, req).observe_cycle(len(r.drafted),
+                                             (now - started) * 1000.0 / _plain_share(r))
+
+
+def _plain_share(r: RoundResult) -> int:
+    """How many one-token rounds a round stands for in the cost model: a round without
+    drafts that decoded n tokens (--plain-tokens) counts as n, each costing 1/n of it, so
+    that k = 0 is weighed at what a token costs it; any other round as one."""
+    return 1 if r.drafted else len(r.proposed)

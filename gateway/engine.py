@@ -342,11 +342,20 @@ class GenerationEngine:
             with trace.use_span(round_span):
                 r = await self.rounds.run(req.handle, req.spec.params, k, kind, req.seed,
                                           req.usage.rounds, req.deadline, req.prefetch,
-                                          self.k.acceptance_of(kind).alpha(0.7), req.spec.logprobs)
+                                          self.k.acceptance_of(kind).alpha(0.7), req.spec.logprobs,
+                                          self._plain_tokens(req))
         except BaseException:
             round_span.end()
             raise
         return r, start, round_span
+
+    def _plain_tokens(self, req: _Request) -> int:
+        """Tokens a round without drafts asks for: --plain-tokens within the request's budget
+        and the context, but one in the request's first round (its time to the first token)."""
+        if req.last_round is None:
+            return 1
+        return max(1, min(self.config.plain_tokens, req.spec.max_new_tokens - req.generated,
+                          self.limits.max_context - len(req.handle.tokens)))
 
     async def _save(self, req: _Request, added: int, final: bool) -> None:
         """Commits the round's ``added`` tokens and any an earlier round left pending. While

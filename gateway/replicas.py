@@ -71,10 +71,11 @@ class Replica:
                 reply(calls=[wrap(i, r) for i, r in enumerate(requests)]), timeout=timeout)
             return batch.outcomes
 
+        verify = method == "Verify"
         self.steps[method] = StepBatcher(
             method, lambda request, timeout: self.send(method, request, timeout), send_batch,
-            describe=_describe_verify if method == "Verify" else lambda request: ("", False),
-            merging=merging)
+            describe=_describe_verify if verify else lambda request: ("", False),
+            merging=merging, fit=fit_verify_step if verify else lambda requests: None)
 
 
 _STREAMED = frozenset({"Draft", "Speculate", "Verify"})  # calls a replica's stream carries
@@ -86,6 +87,17 @@ _BATCHED = {"verifier": ("Verify", "VerifyBatch", wrap_verify, verifier_pb2.Veri
 def _describe_verify(request) -> tuple[str, bool]:
     """A Verify call's session, and whether it verifies no drafts (gateway/step_batch.py)."""
     return request.cache.session_id, not request.draft_token_ids
+
+
+def fit_verify_step(requests: list[verifier_pb2.VerifyRequest]) -> None:
+    """A Verify step answers once its last call is done. A call that asks for several tokens
+    (a round without drafts, ``max_tokens``) takes as many passes, so in a step that feeds a
+    prompt (its time to the first token) or verifies drafts (the next draft waits for it)
+    every call asks for one: the step is one pass, as it was before plain rounds asked for
+    more."""
+    if any(r.draft_token_ids or len(r.cache.new_tokens) > 1 for r in requests):
+        for r in requests:
+            r.max_tokens = 0
 
 
 def _busy(replica: Replica) -> int:

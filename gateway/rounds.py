@@ -17,6 +17,11 @@ used only when the committed prefix is exactly the one it was drawn from and it 
 the q its tokens were drawn from, so the output stays lossless; its draws use the seed a
 fresh draft of round r+1 would use, so seeded sampling draws the same either way.
 
+A round without drafts (target-only, or while drafts do not pay) asks the verifier for up
+to ``tokens`` of its own (``--plain-tokens``): it decodes them one pass each, in the batch
+of its other calls, without the round trip and the gateway's accounting of a round between
+two tokens. They are the tokens one-token rounds would give, one after another.
+
 A session no drafter holds yet (a new one, or one whose drafter failed) starts with a lead
 round: the verifier alone computes the prompt and the next token while a drafter computes
 the prompt and k drafts alongside, so a prompt's time to the first token is the verifier's
@@ -116,11 +121,13 @@ class RoundResult:
     prefetch: SpecCache | None = None  # drafts for the next round, if prepared
     waited_ms: float = 0.0  # time spent awaiting replicas (the rest of the round is the gateway's)
     logprobs: tuple[TokenLogprobs, ...] = ()  # of ``proposed``, when the request asked for them
+    more: tuple[int, ...] = ()  # a round without drafts: the verifier's tokens after extra_token
 
     @property
     def proposed(self) -> list[int]:
-        """The tokens this round yields: the accepted drafts, then the verifier's own token."""
-        return list(self.drafted[: self.num_accepted]) + [self.extra_token]
+        """The tokens this round yields: the accepted drafts, then the verifier's own
+        token(s)."""
+        return [*self.drafted[: self.num_accepted], self.extra_token, *self.more]
 
 
 def fanout_share(fanout: int, busy: int, requests: int = 1, max_requests: int = 1) -> int:
@@ -135,9 +142,10 @@ def commit_round(h: SessionHandle, r: RoundResult, kept: list[int]) -> None:
     handle and moves each replica's cursor: how many committed tokens its cache holds. The
     verifier holds the old tokens and the accepted drafts; the drafter the old tokens and its
     tail (the drafts, and after a speculation call its guess and the next drafts), each valid
-    as far as it matches what was kept. The one place these cursors advance."""
+    as far as it matches what was kept; after a round of several tokens without drafts the
+    verifier holds all but the last. The one place these cursors advance."""
     old = len(h.tokens)
-    h.verifier_len = old + min(r.num_accepted, len(kept))
+    h.verifier_len = old + min(r.num_accepted + len(r.more), len(kept))
     if r.drafter_tail is not None:
         h.drafter_len = old + _common_prefix(r.drafter_tail, kept)
     h.tokens.extend(kept)
@@ -167,12 +175,13 @@ class RoundRunner:
     async def run(self, h: SessionHandle, params: SamplingParams, k: int, kind: str, seed: int,
                   round_index: int, deadline: Callable[[], float | None],
                   prefetch: SpecCache | None = None, acceptance: float = 0.7,
-                  logprobs: int = -1) -> RoundResult:
+                  logprobs: int = -1, tokens: int = 1) -> RoundResult:
         """Takes round ``round_index``'s k drafts from ``prefetch`` when it holds the branch
         that was committed, else drafts them with a drafter of ``kind`` (k = 0: none), and
         verifies them for session ``h``; with the speculation cache on, drafts the next
-        round's branches meanwhile (``acceptance`` weighs their outcomes). Updates the
-        handle's replica fields (who holds the caches) but not its tokens."""
+        round's branches meanwhile (``acceptance`` weighs their outcomes). A round without
+        drafts asks the verifier for up to ``tokens`` tokens. Updates the handle's replica
+        fields (who holds the caches) but not its tokens."""
         if (self.config.lead_round and k and prefetch is None and not h.drafter_len
                 and kind == "model"):
             return await self._lead(h, params, k, kind, seed, round_index, deadline, logprobs)
@@ -194,7 +203,7 @@ class RoundRunner:
         mid = time.perf_counter()
         drafted = draft if draft is not None and draft.token_ids else None
         verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
-                              deadline, logprobs)
+                              deadline, logprobs, 1 if drafted is not None else tokens)
         ahead = None
         if drafted is not None and self.config.pipeline and h.drafter:
             valid = old if fresh else min(h.drafter_len, old)
@@ -225,7 +234,7 @@ class RoundRunner:
             verify_compute_ms=result.compute_ms, pipeline=outcome, prefetch=spec,
             warm=result.cache_hit and (not fresh or (draft.cache_hit and lag <= k + 1)),
             waited_ms=(end - mid + (mid - start if fresh else 0.0)) * 1000,
-            logprobs=result.logprobs)
+            logprobs=result.logprobs, more=result.more)
 
     async def _lead(self, h: SessionHandle, params: SamplingParams, k: int, kind: str,
                     seed: int, round_index: int, deadline, logprobs: int) -> RoundResult:
@@ -386,7 +395,7 @@ class RoundRunner:
 
     async def _verify(self, h: SessionHandle, params: SamplingParams,
                       draft: DraftResult | None, seed: int, deadline,
-                      logprobs: int = -1) -> VerifyResult:
+                      logprobs: int = -1, tokens: int = 1) -> VerifyResult:
         sparse = draft is not None and not params.greedy
 
         async def call(replica, base: int) -> VerifyResult:
@@ -394,7 +403,8 @@ class RoundRunner:
                 cache=_delta(h, base),
                 draft_ids=draft.token_ids if draft else (),
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
-                params=params, seed=seed, logprobs=logprobs), self._timeout(deadline))
+                params=params, seed=seed, logprobs=logprobs, max_tokens=tokens),
+                self._timeout(deadline))
 
         result = await self._on_replica(h, self.verifiers, "verifier", call, deadline=deadline)
         if result is None:

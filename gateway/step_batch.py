@@ -106,8 +106,13 @@ class StepBatcher:
     def __init__(self, name: str, send_one: SendOne, send_batch: SendBatch,
                  tracer: trace.Tracer | None = None, max_turns: int = 16,
                  describe: Callable[[object], tuple[str, bool]] = lambda request: ("", False),
-                 merging: Callable[[], bool] = lambda: True, merge_s: float = 0.01) -> None:
+                 merging: Callable[[], bool] = lambda: True, merge_s: float = 0.01,
+                 fit: Callable[[list], None] = lambda requests: None) -> None:
+        """``fit``: adjusts a step's requests before they go together (a Verify step that
+        feeds a prompt or verifies drafts asks every call for one token: gateway/replicas.py
+        ``fit_verify_step``)."""
         self.name = name
+        self._fit = fit
         self._send_one, self._send_batch = send_one, send_batch
         self._tracer = tracer or trace.get_tracer("specmesh")
         self._max_turns = max_turns
@@ -183,6 +188,7 @@ class StepBatcher:
                 if len(batch) == 1 or not self.batched:
                     await asyncio.gather(*(self._alone(w, timeout) for w in batch))
                 else:
+                    self._fit([w.request for w in batch])
                     await self._together(batch, timeout)
                 if all(w.plain for w in batch):  # (less those that called again already,
                     # and those whose requests ended as the step's answers came in)

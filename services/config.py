@@ -227,6 +227,7 @@ class GatewayConfig:
     spec_fanout: int = 16  # most branches of the speculation cache per round
     spec_max_requests: int = 1  # trees only while the gateway runs at most this many requests
     step_batching: bool = True  # Draft/Verify calls made meanwhile go as one RPC per step
+    plain_tokens: int = 4  # a round without drafts asks the verifier for up to this many tokens
     prefix_affinity: int = 4  # a new session goes to the replica caching most of its prompt
     #                           while it runs at most this many more requests than the least
     #                           busy one (-1: routing by load alone)
@@ -254,6 +255,7 @@ class GatewayConfig:
         _require(1 <= self.max_support <= 256, "max support must be in 1..256")
         _require(1 <= self.spec_fanout <= 64, "speculation fan-out must be in 1..64")
         _require(self.spec_max_requests >= 1, "speculation max requests must be >= 1")
+        _require(1 <= self.plain_tokens <= 64, "plain tokens must be in 1..64")
         _require(self.prefix_affinity >= -1, "prefix affinity must be >= -1 (-1 = off)")
         _require(1 <= self.default_max_new_tokens <= self.max_new_tokens_cap,
                  "default max new tokens must be in 1..max_new_tokens_cap")

@@ -113,7 +113,8 @@ def verify_call_to_pb(c: VerifyCall) -> verifier_pb2.VerifyRequest:
                                       draft_dists=_dists(c.q_ids, c.q_probs),
                                       warp=warp_to_pb(c.params, c.seed),
                                       logprobs=c.logprobs >= 0,
-                                      top_logprobs=max(0, c.logprobs))
+                                      top_logprobs=max(0, c.logprobs),
+                                      max_tokens=c.max_tokens if c.max_tokens > 1 else 0)
 
 
 def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
@@ -122,13 +123,15 @@ def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
                       q_ids=tuple(tuple(d.token_ids) for d in m.draft_dists),
                       q_probs=tuple(tuple(d.probs) for d in m.draft_dists),
                       params=params, seed=seed,
-                      logprobs=m.top_logprobs if m.logprobs else -1)
+                      logprobs=m.top_logprobs if m.logprobs else -1,
+                      max_tokens=max(1, m.max_tokens))
 
 
 def verify_result_to_pb(r: VerifyResult) -> verifier_pb2.VerifyResponse:
     return verifier_pb2.VerifyResponse(
         num_accepted=r.num_accepted, extra_token_id=r.extra_token, cached_len=r.cached_len,
         cache_hit=r.cache_hit, compute_ms=r.compute_ms, batch_size=r.batch_size,
+        more_token_ids=r.more,
         logprobs=[verifier_pb2.VerifiedLogprob(token_id=t.token_id, logprob=t.logprob,
                                                top_token_ids=t.top_ids,
                                                top_logprobs=t.top_logprobs)
@@ -138,7 +141,7 @@ def verify_result_to_pb(r: VerifyResult) -> verifier_pb2.VerifyResponse:
 def verify_result_from_pb(m: verifier_pb2.VerifyResponse) -> VerifyResult:
     return VerifyResult(num_accepted=m.num_accepted, extra_token=m.extra_token_id,
                         cached_len=m.cached_len, cache_hit=m.cache_hit, compute_ms=m.compute_ms,
-                        batch_size=max(1, m.batch_size),
+                        batch_size=max(1, m.batch_size), more=tuple(m.more_token_ids),
                         logprobs=tuple(TokenLogprobs(token_id=t.token_id, logprob=t.logprob,
                                                      top_ids=tuple(t.top_token_ids),
                                                      top_logprobs=tuple(t.top_logprobs))

@@ -106,6 +106,7 @@ class VerifyCall:
     params: SamplingParams
     seed: int
     logprobs: int = -1  # -1: none; n >= 0: each returned token's logprob and the top n
+    max_tokens: int = 1  # without drafts: tokens to decode at most, one pass each
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class VerifyResult:
     cache_hit: bool
     compute_ms: float
     batch_size: int = 1  # the largest batch of calls its forward pass ran in
-    logprobs: tuple[TokenLogprobs, ...] = ()  # with VerifyCall.logprobs: num_accepted + 1
+    logprobs: tuple[TokenLogprobs, ...] = ()  # with VerifyCall.logprobs: one per token returned
+    more: tuple[int, ...] = ()  # tokens decoded after extra_token (VerifyCall.max_tokens > 1)
 
 
 @dataclass

@@ -252,6 +252,12 @@ def gateway(
         help="Draft and Verify calls made while one to the same replica is in flight go "
              "together as its next step, one batched RPC: under load each forward pass "
              "holds every session that is ready.")] = True,
+    plain_tokens: Annotated[int, typer.Option(
+        envvar="SPECMESH_PLAIN_TOKENS", min=1, max=64,
+        help="A round without drafts (target-only, or while drafts do not pay) asks the "
+             "verifier for up to this many tokens, decoded one forward pass each without a "
+             "call between them; its chunk carries them all. A request's first round "
+             "decodes one (its time to the first token). 1: a call per token.")] = 4,
     spec_fanout: Annotated[int, typer.Option(
         envvar="SPECMESH_SPEC_FANOUT", min=1, max=64,
         help="Most branches (outcomes) the speculation cache drafts per round, while the "
@@ -331,6 +337,7 @@ def gateway(
             max_support=max_support,
             default_drafter_kind=default_drafter_kind, pipeline=pipeline, spec_fanout=spec_fanout,
             step_batching=step_batching, spec_max_requests=spec_max_requests,
+            plain_tokens=plain_tokens,
             lead_round=lead_round,
             prefix_affinity=prefix_affinity, discovery=discovery,
             namespace=namespace, drafter_service=drafter_service,

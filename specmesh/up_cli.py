@@ -93,6 +93,9 @@ def up(
         "--step-batching/--no-step-batching",
         help="Gateway: calls to a replica made while one is in flight go as one batched RPC "
              "(default on).")] = None,
+    plain_tokens: Annotated[int | None, typer.Option(
+        min=1, max=64, help="Gateway: tokens a round without drafts asks the verifier for "
+                            "(default 4; 1: a call per token).")] = None,
     default_drafter_kind: Annotated[str | None, typer.Option(
         help="Gateway: drafter kind for requests that name none (model or ngram).")] = None,
     default_max_new_tokens: Annotated[int | None, typer.Option(
@@ -120,6 +123,7 @@ def up(
                            spec_fallback=spec_fallback, lead_round=lead_round,
                            pipeline=pipeline, spec_fanout=spec_fanout,
                            spec_max_requests=spec_max_requests, step_batching=step_batching,
+                           plain_tokens=plain_tokens,
                            default_drafter_kind=default_drafter_kind,
                            default_max_new_tokens=default_max_new_tokens,
                            max_new_tokens_cap=max_new_tokens_cap, max_inflight=max_inflight,

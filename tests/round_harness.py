@@ -171,15 +171,16 @@ class Harness:
         return self.pools[kind].replicas[kind].stub
 
     async def generate(self, prompt: list[int], n: int, params, k: int = 3, seed: int = 7,
-                       on_round=None) -> tuple[SessionHandle, list]:
+                       on_round=None, tokens: int = 1) -> tuple[SessionHandle, list]:
         """Runs rounds until ``n`` tokens are committed (the last round may overshoot; the
-        caller compares the first n), as the engine does; returns the handle and rounds."""
+        caller compares the first n), as the engine does; returns the handle and rounds.
+        ``tokens``: what a round without drafts asks for."""
         h = SessionHandle(session_id="s1", version=1, tokens=list(prompt))
         prefetch, rounds = None, []
         while len(h.tokens) - len(prompt) < n:
             before = prefetch
             r = await self.runner.run(h, params, k, "model", seed, len(rounds), lambda: None,
-                                      prefetch, 0.8)
+                                      prefetch, 0.8, tokens=tokens)
             kept = r.proposed
             committed_before = list(h.tokens)
             commit_round(h, r, kept)

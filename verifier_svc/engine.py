@@ -4,6 +4,13 @@
 It appends ``new_tokens + drafts`` to the session's target KV cache, applies
 the lossless acceptance rule (services.sampling), crops the cache to the
 committed length and returns the accepted count and the one extra token.
+
+A call without drafts may ask for up to ``max_tokens`` (a plain round: the gateway's
+--plain-tokens): after the extra token the job stays in the running batch and decodes
+each next token from the one before, one pass each, until it has them or one is an
+end-of-sequence token. The tokens are those one-token calls would return, one after
+another; what the calls between them cost (a round trip, the gateway's accounting of the
+round, the verifier's handling of a call) is paid once for all of them.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from services.sampling import (
 # A greedy call without drafts (target-only): nothing to build per call. Read-only.
 _NO_DRAFT = SparseDraft(token_ids=torch.empty(0, dtype=torch.long),
                         q_ids=torch.empty(0, 1, dtype=torch.long), q_probs=torch.empty(0, 1))
+MAX_TOKENS = 64  # the most tokens a call without drafts may ask for (VerifyRequest.max_tokens)
 
 
 class VerifierEngine(ModelEngine):
@@ -86,12 +94,13 @@ class VerifierEngine(ModelEngine):
 
     def _finish(self, call: VerifyCall, job: _VerifyJob, answer) -> VerifyResult:
         (accepted, extra), ms, batch = answer
-        self.stats.fed_tokens += job.feeds
+        self.stats.fed_tokens += job.feeds + len(job.more)
         self.stats.draft_tokens += len(call.draft_ids)
         self.stats.accepted_tokens += accepted
         return VerifyResult(num_accepted=accepted, extra_token=extra,
                             cached_len=len(job.entry.tokens), cache_hit=call.cache.base_len > 0,
-                            compute_ms=ms, batch_size=batch, logprobs=job.logprobs)
+                            compute_ms=ms, batch_size=batch, logprobs=job.logprobs,
+                            more=tuple(job.more))
 
     def _begin(self, call: VerifyCall) -> tuple[AbstractContextManager, _VerifyJob]:
         """Validates ``call`` and checks out its session's cache (ModelEngine.run_many)."""
@@ -100,38 +109,57 @@ class VerifierEngine(ModelEngine):
             call.params.validate()
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
+        if not 1 <= call.max_tokens <= MAX_TOKENS:
+            raise InvalidArgument(f"max_tokens must be in 0..{MAX_TOKENS} (0 or 1: one token), "
+                                  f"got {call.max_tokens}")
+        if call.max_tokens > 1 and call.draft_ids:
+            raise InvalidArgument(f"max_tokens {call.max_tokens} needs a call without drafts: "
+                                  "send no draft_token_ids, or max_tokens 0 or 1")
+        # (the context holds the tokens it feeds: all but the last it returns)
         check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens,
-                    len(call.draft_ids))
+                    len(call.draft_ids) + call.max_tokens - 1)
         if not -1 <= call.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got "
                                   f"{call.logprobs}")
         draft = self._sparse_draft(call)
         generator = None if call.params.greedy else torch.Generator().manual_seed(call.seed)
         return self.checked_out(delta, lambda entry, fed: _VerifyJob(
-            entry, fed, self.prefill_chunk, call, draft, generator))
+            entry, fed, self.prefill_chunk, call, draft, generator, self.runner.meta.eos_token_ids))
 
 
 class _VerifyJob(FeedJob):
     """One pass (after the chunks of a long prompt): the pending tokens and the k drafts,
     then the acceptance rule on the last k+1 logits (params and draft were validated before,
-    off the model thread)."""
+    off the model thread). Without drafts, up to ``max_tokens - 1`` more passes of one
+    token each, each decoding the next token from the last (``more``)."""
 
     def __init__(self, entry: SessionCache, pending: list[int], chunk: int, call: VerifyCall,
-                 draft: SparseDraft, generator: torch.Generator | None) -> None:
+                 draft: SparseDraft, generator: torch.Generator | None,
+                 eos: tuple[int, ...] = ()) -> None:
         super().__init__(entry, pending, chunk)
         self.call, self.draft, self.generator = call, draft, generator
+        self._eos = eos
         self._result: tuple[int, int] | None = None
+        self.more: list[int] = []  # tokens decoded after the extra token
         self.logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def done(self) -> bool:
-        return self._result is not None
+        if self._result is None:
+            return False
+        last = self.more[-1] if self.more else self._result[1]
+        return 1 + len(self.more) >= self.call.max_tokens or last in self._eos
 
     def row(self) -> Row:
+        if self._result is not None:  # the next token, from the last one
+            return self.row_of([self.more[-1] if self.more else self._result[1]], keep=1)
         k = len(self.call.draft_ids)
         return self.row_of(self.pending + list(self.call.draft_ids), keep=k + 1)
 
     def use(self, logits: torch.Tensor) -> None:  # logits [k+1, V]
+        if self._result is not None:
+            self._next(logits)
+            return
         entry, params = self.entry, self.call.params
         start = len(entry.tokens)
         entry.tokens.extend(self.pending)
@@ -146,6 +174,18 @@ class _VerifyJob(FeedJob):
         if self.call.logprobs >= 0:
             self.logprobs = _logprobs(logits[: accepted + 1],
                                       [*self.call.draft_ids[:accepted], extra], self.call.logprobs)
+
+    def _next(self, logits: torch.Tensor) -> None:  # logits [1, V] of the token just fed
+        fed = self.more[-1] if self.more else self._result[1]
+        self.entry.tokens.append(fed)
+        if self.call.params.greedy:
+            _, token = accept_greedy(_NO_DRAFT.token_ids, logits)
+        else:
+            _, token = accept_sampled(self.draft, warp_logits(logits, self.call.params),
+                                      self.generator)
+        self.more.append(token)
+        if self.call.logprobs >= 0:
+            self.logprobs += _logprobs(logits, [token], self.call.logprobs)
 
     def result(self) -> tuple[int, int]:
         return self._result

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("cache", "draft_token_ids", "draft_dists", "warp", "logprobs", "top_logprobs")
+    __slots__ = ("cache", "draft_token_ids", "draft_dists", "warp", "logprobs", "top_logprobs", "max_tokens")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
     WARP_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache: _common_pb2.CacheDelta
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDist]
     warp: _common_pb2.WarpParams
     logprobs: bool
     top_logprobs: int
-    def __init__(self, cache: _Optional[_Union[_common_pb2.CacheDelta, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, cache: _Optional[_Union[_common_pb2.CacheDelta, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifiedLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs", "token_id")
@@ -36,7 +38,7 @@ class VerifiedLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "extra_token_id", "cached_len", "cache_hit", "compute_ms", "batch_size", "logprobs")
+    __slots__ = ("num_accepted", "extra_token_id", "cached_len", "cache_hit", "compute_ms", "batch_size", "logprobs", "more_token_ids")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EXTRA_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +46,7 @@ class VerifyResponse(_message.Message):
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MORE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     extra_token_id: int
     cached_len: int
@@ -51,7 +54,8 @@ class VerifyResponse(_message.Message):
     compute_ms: float
     batch_size: int
     logprobs: _containers.RepeatedCompositeFieldContainer[VerifiedLogprob]
-    def __init__(self, num_accepted: _Optional[int] = ..., extra_token_id: _Optional[int] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[VerifiedLogprob, _Mapping]]] = ...) -> None: ...
+    more_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_accepted: _Optional[int] = ..., extra_token_id: _Optional[int] = ..., cached_len: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[VerifiedLogprob, _Mapping]]] = ..., more_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyStreamRequest(_message.Message):
     __slots__ = ("id", "call")
