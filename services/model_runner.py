@@ -27,6 +27,8 @@ from services.kv_cache import SessionCache
 from services.messages import CacheDelta, ReplicaStats, check_token_ids
 from services.models import ModelMeta
 
+MAX_PASSES = 64  # passes the model thread runs before it hands back to the event loop
+
 
 class SoloJob:
     """Work that runs alone on the model thread (not micro-batched with other calls), e.g.
@@ -147,13 +149,15 @@ class ModelRunner:
                         active.append(_Active(job, fut))
                 if not active:
                     continue
-                errors, ms = await loop.run_in_executor(
-                    self._executor, run_step, self.model, [a.job for a in active],
-                    self.device, self.new_kv, self._prefill_threads)
-                self.stats.forward_ms += ms
-                self.stats.forward_passes += 1
-                active = [a for a, error in zip(active, errors, strict=True)
-                          if not self._settle(a, error, ms, len(active))]
+                batch, left = active, set(range(len(active)))
+                for errors, ms in await loop.run_in_executor(self._executor, self._passes,
+                                                             batch):
+                    self.stats.forward_ms += ms
+                    self.stats.forward_passes += 1
+                    for i, (a, error) in enumerate(zip(batch, errors, strict=True)):
+                        if i in left and self._settle(a, error, ms, len(batch)):
+                            left.discard(i)
+                active = [a for i, a in enumerate(batch) if i in left]
         except BaseException as exc:  # the model thread is gone (shutdown): fail every waiter
             for fut in [a.future for a in active] + [fut for _, fut in self._waiting]:
                 if not fut.done():
@@ -163,6 +167,24 @@ class ModelRunner:
             raise
         finally:
             self._drainer = None
+
+    def _passes(self, active: list[_Active]) -> list[tuple[list[BaseException | None], float]]:
+        """On the model thread: passes over ``active`` (run_step), one after another while
+        none of its jobs is done or failed, none was cancelled and no call waits to join,
+        at most MAX_PASSES; each pass's (errors, ms). A job of several steps (a drafter's k
+        tokens, a verifier's plain tokens) so goes on without handing each pass back to the
+        event loop and the next one to this thread: two thread switches a pass, which the
+        loop's other work (answers, new calls) delays. The flags read here are the event
+        loop's (a list's length, a future's state): a stale one costs at most one pass."""
+        jobs = [a.job for a in active]
+        out = []
+        while True:
+            errors, ms = run_step(self.model, jobs, self.device, self.new_kv,
+                                  self._prefill_threads)
+            out.append((errors, ms))
+            if (len(out) >= MAX_PASSES or self._waiting or any(e is not None for e in errors)
+                    or any(j.done for j in jobs) or any(a.future.done() for a in active)):
+                return out
 
     def _settle(self, a: _Active, error: BaseException | None, ms: float, batch: int) -> bool:
         """Accounts one step to an active job; True when it leaves the batch (done, failed,

@@ -207,3 +207,29 @@ def test_the_cost_model_weighs_a_plain_round_per_token():
     req.last_round = (0.0, _round(0, (2, 3, 4), 40.0))
     k.learn_cycle(req, "model", 0.048)
     assert costs.cycle_ms[0] == pytest.approx(12.0)
+
+
+def test_a_plain_call_runs_its_passes_in_one_hand_off_to_the_model_thread():
+    """The model thread runs a batch's passes one after another while none of its jobs is
+    done and no call waits, not a trip through the event loop per pass (ModelRunner
+    ._passes); it hands back as soon as one job is done, and the others go on. (A call that
+    arrives meanwhile joins at the next pass: test_batching.py.)"""
+    target, draft = tables(vocab=48, seed=3, noise=1.5)
+    harness = Harness(target, draft)
+    runner = harness.verifier.runner
+    hand_offs = []
+    passes = runner._passes
+    runner._passes = lambda active: hand_offs.append(len(out := passes(active))) or out
+
+    async def run():
+        alone = await harness.verifier.verify(_call("a", PROMPT, max_tokens=6))
+        both = await harness.verifier.verify_many([_call("b", PROMPT, max_tokens=6),
+                                                   _call("c", [*PROMPT, 4], max_tokens=2)])
+        return alone, *both
+
+    alone, b, c = asyncio.run(run())
+    assert hand_offs == [6, 2, 4]
+    chain = greedy_chain(target, PROMPT, 6)
+    assert [alone.extra_token, *alone.more] == chain == [b.extra_token, *b.more]
+    assert [c.extra_token, *c.more] == greedy_chain(target, [*PROMPT, 4], 2)
+    assert b.batch_size == c.batch_size == 2
