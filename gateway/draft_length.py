@@ -156,19 +156,22 @@ class DraftLength:
             self.switches[(kind, level)] = switch
         return switch
 
-    def drafting_kept(self) -> bool:
-        """Whether a load switch at the current load level keeps drafting (between its
-        explorations): then cohorts of rounds without drafts must not merge
-        (gateway/step_batch.py)."""
+    def drafting_now(self) -> bool:
+        """Whether a load switch at the current load level is in a drafting epoch: then
+        cohorts of rounds without drafts must not merge (gateway/step_batch.py)."""
         level = self._level()
-        return any(switch.incumbent for (_, at), switch in self.switches.items() if at == level)
+        return any(switch.speculate for (_, at), switch in self.switches.items() if at == level)
 
     def merge_plain(self) -> bool:
         """Whether cohorts of rounds without drafts may merge (gateway/step_batch.py): not
-        while requests that may draft are in flight and the load switch keeps drafting
+        while requests that may draft are in flight and the load switch's epoch drafts
         (cohorts that take turns are what drafting wants); always when no request in flight
-        may draft (target-only traffic, whatever a switch learned from earlier requests)."""
-        return not (self._may_draft and self.drafting_kept())
+        may draft (target-only traffic, whatever a switch learned from earlier requests).
+        A plain epoch merges even while it only explores: two cohorts taking turns with
+        plain rounds of several tokens (--plain-tokens) run two multi-pass steps of half
+        the sessions where one of all would do, and the exploration then measured plain at
+        a fraction of what it gives (docs/performance.md)."""
+        return not (self._may_draft and self.drafting_now())
 
     def _level(self) -> int:
         """The load level of the requests in flight averaged over the last rounds."""

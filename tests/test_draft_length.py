@@ -277,20 +277,25 @@ def test_the_switch_state_is_exported_per_kind_and_load_level():
         (("drafter_kind", "ngram"), ("drafting", "true"), ("load_level", 1)): 40.0}
 
 
-def test_cohorts_merge_only_while_no_switch_at_the_load_keeps_drafting():
-    """DraftLength.drafting_kept, read by the verifiers' step batchers: a switch at the
-    current load level whose kept mode drafts (even while it explores without) stops
-    cohorts without drafts from merging; one that keeps not drafting, or another load
-    level's, does not."""
+def test_cohorts_merge_only_while_no_switch_at_the_load_is_in_a_drafting_epoch():
+    """DraftLength.drafting_now, read by the verifiers' step batchers: a switch at the
+    current load level in a drafting epoch (kept, or explored) stops cohorts without drafts
+    from merging; one in a plain epoch (kept, or explored while it keeps drafting: plain
+    rounds of several tokens in two cohorts would measure plain at a fraction of its rate),
+    or another load level's, does not."""
     dl = _draft_length(lambda: 8)
-    assert not dl.drafting_kept()  # no switch: target-only traffic merges
+    assert not dl.drafting_now()  # no switch: target-only traffic merges
     exploring_plain = LoadSwitch(speculate=False, rate={True: 30.0, False: 20.0})
     exploring_plain._exploring = True
+    exploring_drafts = LoadSwitch(speculate=True, rate={True: 20.0, False: 30.0})
+    exploring_drafts._exploring = True
     dl.switches[("model", 2)] = LoadSwitch(speculate=True)  # another level's
     dl.switches[("model", 3)] = LoadSwitch(speculate=False, rate={True: 20.0, False: 30.0})
-    assert not dl.drafting_kept()
+    assert not dl.drafting_now()
     dl.switches[("model", 3)] = exploring_plain
-    assert dl.drafting_kept()
+    assert exploring_plain.incumbent and not dl.drafting_now()
+    dl.switches[("model", 3)] = exploring_drafts
+    assert not exploring_drafts.incumbent and dl.drafting_now()
 
 
 def test_target_only_requests_merge_whatever_the_switch_keeps():
@@ -302,7 +307,7 @@ def test_target_only_requests_merge_whatever_the_switch_keeps():
     dl = _draft_length(lambda: 8)
     kept = LoadSwitch(speculate=True)
     dl.switches[("model", 3)] = kept
-    assert dl.drafting_kept() and dl.merge_plain()  # nothing in flight may draft
+    assert dl.drafting_now() and dl.merge_plain()  # nothing in flight may draft
     plain = [dl.running(SimpleNamespace(speculate=False)) for _ in range(8)]
     assert plain == [False] * 8 and dl.merge_plain()
     drafting = dl.running(SimpleNamespace(speculate=True))
@@ -311,7 +316,7 @@ def test_target_only_requests_merge_whatever_the_switch_keeps():
     assert dl.merge_plain()
     dl.switches[("model", 3)] = LoadSwitch(speculate=False, rate={True: 20.0, False: 30.0})
     again = dl.running(SimpleNamespace(speculate=True))
-    assert dl.merge_plain()  # drafting, but the switch keeps not drafting
+    assert dl.merge_plain()  # may draft, but the switch's epoch does not
     for may in (*plain, again):
         dl.ended(may)
     assert dl._may_draft == 0
