@@ -351,8 +351,12 @@ class GenerationEngine:
 
     def _plain_tokens(self, req: _Request) -> int:
         """Tokens a round without drafts asks for: --plain-tokens within the request's budget
-        and the context, but one in the request's first round (its time to the first token)."""
-        if req.last_round is None:
+        and the context; but one in the request's first round (its time to the first token),
+        and one for a seeded sample, whose draws use one seed a round: how many tokens a
+        round gets depends on the other calls of its step (fit_verify_step), and a seed must
+        reproduce whatever else runs."""
+        seeded = req.spec.seed is not None and not req.spec.params.greedy
+        if req.last_round is None or seeded:
             return 1
         return max(1, min(self.config.plain_tokens, req.spec.max_new_tokens - req.generated,
                           self.limits.max_context - len(req.handle.tokens)))

@@ -95,3 +95,20 @@ def test_seeded_sampling_is_reproducible_without_a_fixed_k(mesh):
                                                    temperature=0.9, seed=12)).token_ids)
     assert runs[0] == runs[1] == runs[2]
     assert other != runs[0]
+
+
+def test_seeded_target_only_sampling_keeps_one_token_rounds_and_reproduces(mesh):
+    """A seeded sample without speculation draws one token a round, each with its round's
+    seed: plain rounds of several tokens (--plain-tokens) would make its draws depend on
+    how many tokens each round got, which other requests in the same step decide. An
+    unseeded one takes the plain rounds."""
+    def run(**kw):
+        return client.generate(build_request("class A:", max_new_tokens=24, temperature=0.9,
+                                             disable_speculation=True, **kw))
+
+    with GatewayClient(mesh.gateway_address) as client:
+        runs = [run(seed=11) for _ in range(2)]
+        unseeded = run()
+    assert list(runs[0].token_ids) == list(runs[1].token_ids)
+    assert runs[0].usage.rounds == runs[0].usage.completion_tokens
+    assert unseeded.usage.rounds < unseeded.usage.completion_tokens
