@@ -114,9 +114,12 @@ class DraftLength:
         cost nothing there, but only because the previous round's guess held)."""
         k = len(r.drafted)
         if r.pipeline != "used" and r.warm:
+            # a plain round of n tokens: n passes, one call (its overhead is the call's)
             n = _plain_share(r)
+            per_pass = r.verify_compute_ms / n
             self._costs(kind, req).observe(
-                k, r.draft_ms, r.verify_ms / n, r.draft_compute_ms, r.verify_compute_ms / n)
+                k, r.draft_ms, r.verify_ms - (r.verify_compute_ms - per_pass),
+                r.draft_compute_ms, per_pass)
         if req.adaptive is None:  # (an adaptive k feeds the shared counts itself)
             self.acceptance_of(kind).observe(k, r.num_accepted)
         else:

@@ -193,8 +193,9 @@ def _round(k: int, more: tuple[int, ...], compute_ms: float) -> RoundResult:
 
 def test_the_cost_model_weighs_a_plain_round_per_token():
     """A round of 4 tokens without drafts that took 40 ms of passes counts as what one
-    token costs (10 ms), not as a 40 ms round of one token: else k = 0 would look four
-    times dearer than it is next to drafting."""
+    token costs (a 10 ms pass, a quarter of its cycle), not as a 40 ms round of one token:
+    else k = 0 would look four times dearer than it is next to drafting. Its call's
+    overhead stays one call's (drafting rounds read it per call)."""
     config = GatewayConfig(server=ServerConfig(port=1), redis_url="redis://unused",
                            verifiers=("v",), num_draft_tokens=0)
     limits = SimpleNamespace(max_context=1000, max_draft_tokens=8)
@@ -203,7 +204,7 @@ def test_the_cost_model_weighs_a_plain_round_per_token():
     k.learn(req, "model", _round(0, (2, 3, 4), 40.0))
     costs = k._costs("model", req)
     assert costs.verify_ms_base == pytest.approx(10.0)
-    assert costs.rtt_ms == pytest.approx(0.5)  # the call's 2 ms overhead, shared by 4 tokens
+    assert costs.rtt_ms == pytest.approx(2.0)  # the one call's overhead, as it was
     req.last_round = (0.0, _round(0, (2, 3, 4), 40.0))
     k.learn_cycle(req, "model", 0.048)
     assert costs.cycle_ms[0] == pytest.approx(12.0)
