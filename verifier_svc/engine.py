@@ -147,12 +147,16 @@ class _VerifyJob(FeedJob):
     def done(self) -> bool:
         if self._result is None:
             return False
-        last = self.more[-1] if self.more else self._result[1]
-        return 1 + len(self.more) >= self.call.max_tokens or last in self._eos
+        return 1 + len(self.more) >= self.call.max_tokens or self._last in self._eos
+
+    @property
+    def _last(self) -> int:
+        """The last token decoded (once the first pass is done)."""
+        return self.more[-1] if self.more else self._result[1]
 
     def row(self) -> Row:
         if self._result is not None:  # the next token, from the last one
-            return self.row_of([self.more[-1] if self.more else self._result[1]], keep=1)
+            return self.row_of([self._last], keep=1)
         k = len(self.call.draft_ids)
         return self.row_of(self.pending + list(self.call.draft_ids), keep=k + 1)
 
@@ -176,8 +180,7 @@ class _VerifyJob(FeedJob):
                                       [*self.call.draft_ids[:accepted], extra], self.call.logprobs)
 
     def _next(self, logits: torch.Tensor) -> None:  # logits [1, V] of the token just fed
-        fed = self.more[-1] if self.more else self._result[1]
-        self.entry.tokens.append(fed)
+        self.entry.tokens.append(self._last)  # the token this pass fed
         if self.call.params.greedy:
             _, token = accept_greedy(_NO_DRAFT.token_ids, logits)
         else:
