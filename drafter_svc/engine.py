@@ -51,10 +51,7 @@ def check_speculate(call: SpeculateCall, max_draft_tokens: int) -> None:
 class DrafterEngine(ModelEngine):
 
     async def draft(self, call: DraftCall) -> DraftResult:
-        outcome, = await self.draft_many([call])
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+        return await self.run_one(call, self._begin, self._finish)
 
     async def draft_many(self, calls: Sequence[DraftCall]) -> list[DraftResult | Exception]:
         """Each call's drafts, or the error it alone fails with; the calls that pass

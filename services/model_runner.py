@@ -282,6 +282,14 @@ class ModelEngine:
             checkout.__exit__(type(exc), exc, exc.__traceback__)
             raise
 
+    async def run_one(self, call: Any, begin: Callable[[Any], tuple[AbstractContextManager, Any]],
+                      finish: Callable[[Any, Any, tuple[Any, float, int]], Any]) -> Any:
+        """``run_many`` of one call: its result, or its error raised."""
+        outcome, = await self.run_many([call], begin, finish)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
     async def run_many(self, calls: Sequence[Any],
                        begin: Callable[[Any], tuple[AbstractContextManager, Any]],
                        finish: Callable[[Any, Any, tuple[Any, float, int]], Any]) -> list:

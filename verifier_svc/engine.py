@@ -81,10 +81,7 @@ class VerifierEngine(ModelEngine):
         return draft
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
-        outcome, = await self.verify_many([call])
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+        return await self.run_one(call, self._begin, self._finish)
 
     async def verify_many(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
         """Each call's result, or the error it alone fails with (a bad request, a stale
