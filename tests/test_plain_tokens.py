@@ -234,3 +234,38 @@ def test_a_plain_call_runs_its_passes_in_one_hand_off_to_the_model_thread():
     assert [alone.extra_token, *alone.more] == chain == [b.extra_token, *b.more]
     assert [c.extra_token, *c.more] == greedy_chain(target, [*PROMPT, 4], 2)
     assert b.batch_size == c.batch_size == 2
+
+
+def test_the_fed_tokens_counter_counts_the_plain_tokens_a_call_fed_itself():
+    """specmesh.verifier.fed_tokens: a call's new tokens, and the tokens a plain call fed
+    onto the cache itself (all it returned but the last), on Verify and VerifyBatch alike:
+    else a plain round of 4 tokens would count one token in four."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from services.convert import verify_call_to_pb
+    from services.metrics import ModelServiceMetrics
+    from tests.round_harness import InProcessStub
+    from verifier_svc.server import VerifierServicer
+
+    target, draft = tables(vocab=48, seed=3, noise=1.5)
+    engine = Harness(target, draft).verifier
+    reader = InMemoryMetricReader()
+    metrics = ModelServiceMetrics(MeterProvider(metric_readers=[reader]).get_meter("test"),
+                                  "verifier", queue_depth=lambda: 0, sessions=lambda: 0,
+                                  kv_bytes=lambda: 0, kv_capacity_bytes=lambda: 0)
+    stub = InProcessStub(VerifierServicer(engine, metrics))
+
+    def fed() -> int:
+        return sum(p.value for rm in reader.get_metrics_data().resource_metrics
+                   for sm in rm.scope_metrics for m in sm.metrics
+                   if m.name == "specmesh.verifier.fed_tokens" for p in m.data.data_points)
+
+    asyncio.run(stub.Verify(verify_call_to_pb(_call("a", PROMPT, max_tokens=4))))
+    assert fed() == len(PROMPT) + 3
+    batch = verifier_pb2.VerifyBatchRequest(calls=[
+        verifier_pb2.VerifyStreamRequest(id=i, call=verify_call_to_pb(c)) for i, c in enumerate(
+            [_call("b", PROMPT, max_tokens=3), _call("c", PROMPT, max_tokens=1)])])
+    asyncio.run(stub.VerifyBatch(batch))
+    assert fed() == len(PROMPT) + 3 + (len(PROMPT) + 2) + len(PROMPT)
+    assert engine.stats.fed_tokens == fed()  # GetStats says the same
