@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Annotated
 
@@ -11,112 +10,39 @@ import typer
 from specmesh import loadtest
 from specmesh.extras import needs_extra
 from specmesh.model_ref import model_reference
+from specmesh.options import (
+    Advertise,
+    Device,
+    Dtype,
+    Forward,
+    HealthPort,
+    Host,
+    KvBudget,
+    LogFormat,
+    LogLevel,
+    MaxBatch,
+    MaxDraft,
+    MaxQueue,
+    MaxSessions,
+    MetricsPort,
+    Model,
+    Port,
+    PrefillChunk,
+    PrefillThreads,
+    PrefixBlock,
+    PrefixCacheMb,
+    Redis,
+    Threads,
+    TlsCa,
+    TlsCert,
+    TlsKey,
+    server_config,
+    telemetry_config,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="SpecMesh: lossless speculative decoding across drafter, verifier and "
                        "gateway gRPC services.")
-
-Port = Annotated[int, typer.Option("--port", envvar="SPECMESH_PORT", help="Port to listen on.")]
-Host = Annotated[str, typer.Option("--host", envvar="SPECMESH_HOST", help="Address to bind.")]
-Model = Annotated[str, typer.Option("--model", envvar="SPECMESH_MODEL",
-                                    help="HF causal LM: hub name or local path.")]
-Device = Annotated[str, typer.Option("--device", envvar="SPECMESH_DEVICE",
-                                     help="auto (CUDA when present), cpu or cuda[:N].")]
-Dtype = Annotated[str, typer.Option("--dtype", envvar="SPECMESH_DTYPE",
-                                    help="float32, float16 or bfloat16.")]
-MaxSessions = Annotated[int, typer.Option("--max-sessions", envvar="SPECMESH_MAX_SESSIONS",
-                                          help="KV caches kept; least recently used evicted.")]
-MaxDraft = Annotated[int, typer.Option("--max-draft-tokens", envvar="SPECMESH_MAX_DRAFT_TOKENS",
-                                       help="Largest k accepted per call.")]
-Threads = Annotated[int, typer.Option("--threads", envvar="SPECMESH_THREADS",
-                                      help="torch CPU threads (0 = torch's default).")]
-MaxQueue = Annotated[int, typer.Option("--max-queue", envvar="SPECMESH_MAX_QUEUE",
-                                       help="Calls waiting for the model before "
-                                            "RESOURCE_EXHAUSTED.")]
-MaxBatch = Annotated[int, typer.Option("--max-batch", envvar="SPECMESH_MAX_BATCH",
-                                       help="Most calls of different sessions in one forward "
-                                            "pass (continuous batching; 1 = off).")]
-LogLevel = Annotated[str, typer.Option("--log-level", envvar="SPECMESH_LOG_LEVEL",
-                                       help="debug, info, warning or error.")]
-LogFormat = Annotated[str, typer.Option("--log-format", envvar="SPECMESH_LOG_FORMAT",
-                                        help="json (one object per line, with trace ids) or "
-                                             "text.")]
-MetricsPort = Annotated[int, typer.Option("--metrics-port", envvar="SPECMESH_METRICS_PORT",
-                                          help="Serve Prometheus metrics on this port "
-                                               "(0 = off).")]
-
-
-def _telemetry(service: str, metrics_port: int, log_format: str, log_level: str):
-    """Telemetry settings; OTLP export follows the standard OTEL_* variables."""
-    from services.telemetry import TelemetryConfig
-
-    try:
-        return TelemetryConfig(service=service, metrics_port=metrics_port, log_format=log_format,
-                               log_level=log_level,
-                               env={k: v for k, v in os.environ.items() if k.startswith("OTEL_")})
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-
-
-Redis = Annotated[str, typer.Option("--redis", envvar="SPECMESH_REDIS_URL",
-                                    help="Register in this Redis with a heartbeat and the load, "
-                                         "for gateways with --discovery redis.")]
-Advertise = Annotated[str, typer.Option("--advertise", envvar="SPECMESH_ADVERTISE",
-                                        help="HOST:PORT gateways should dial (default: the "
-                                             "bind address, or the hostname for 0.0.0.0).")]
-
-
-TlsCert = Annotated[str, typer.Option("--tls-cert", envvar="SPECMESH_TLS_CERT",
-                                      help="PEM certificate chain: serve TLS only.")]
-TlsKey = Annotated[str, typer.Option("--tls-key", envvar="SPECMESH_TLS_KEY",
-                                     help="PEM private key of --tls-cert.")]
-TlsCa = Annotated[str, typer.Option("--tls-ca", envvar="SPECMESH_TLS_CA",
-                                    help="The mesh's CA (PEM): drafters and verifiers accept only "
-                                         "clients with a certificate it signed (mTLS); the "
-                                         "gateway dials them over mTLS.")]
-HealthPort = Annotated[int, typer.Option("--health-port", envvar="SPECMESH_HEALTH_PORT",
-                                         help="Plaintext port serving only grpc.health.v1, for "
-                                              "probes when TLS is on (0 = off).")]
-
-
-def _server(port: int, host: str, tls_cert: str, tls_key: str, tls_ca: str, health_port: int):
-    from services.config import ServerConfig, TlsConfig
-
-    try:
-        return ServerConfig(port=port, host=host, health_port=health_port,
-                            tls=TlsConfig(cert=tls_cert, key=tls_key, ca=tls_ca))
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-
-
-KvBudget = Annotated[int, typer.Option("--kv-budget-mb", envvar="SPECMESH_KV_BUDGET_MB",
-                                       help="KV cache memory budget; idle sessions are "
-                                            "evicted least recently used first, and on a "
-                                            "CPU the KV pool gets no more slots than it "
-                                            "holds (0 = none).")]
-PrefixCacheMb = Annotated[int, typer.Option(
-    "--prefix-cache-mb", envvar="SPECMESH_PREFIX_CACHE_MB",
-    help="Memory for KV blocks of committed prefixes, reused by sessions that start with the "
-         "same tokens (system prompts, earlier turns); least recently used out first (0 = "
-         "off).")]
-PrefixBlock = Annotated[int, typer.Option("--prefix-block", envvar="SPECMESH_PREFIX_BLOCK",
-                                          help="Tokens per prefix-cache block: a prompt reuses "
-                                               "its cached prefix in whole blocks.")]
-PrefillChunk = Annotated[int, typer.Option(
-    "--prefill-chunk", envvar="SPECMESH_PREFILL_CHUNK", min=0,
-    help="A longer prompt is computed this many tokens per forward pass (chunked prefill), "
-         "so other sessions' calls run between its chunks; 0 = in one pass.")]
-PrefillThreads = Annotated[int, typer.Option(
-    "--prefill-threads", envvar="SPECMESH_PREFILL_THREADS", min=0,
-    help="torch CPU threads for a forward pass that computes a prompt (or a chunk of one), "
-         "when more than --threads: a prompt's pass is bound by compute, a decode pass by "
-         "reading the weights; 0 = --threads.")]
-Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
-                                      help="auto: Llama-architecture models run a lean forward "
-                                           "(less Python per call; on a CPU with weights "
-                                           "prepacked for oneDNN: logits within ~1e-5 of "
-                                           "transformers'); lean: the same without "
-                                           "prepacking; hf: transformers' own forward.")]
 
 
 def _model_service(kind: str, server, model, device, dtype, max_sessions, max_draft, threads,
@@ -165,10 +91,10 @@ def drafter(model: Model,
             prefill_chunk: PrefillChunk = 256, prefill_threads: PrefillThreads = 0) -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
-    _model_service("drafter", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
+    _model_service("drafter", server_config(port, host, tls_cert, tls_key, tls_ca, health_port), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
-                   _telemetry("drafter", metrics_port, log_format, log_level), kind, redis,
+                   telemetry_config("drafter", metrics_port, log_format, log_level), kind, redis,
                    advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
                    prefill_chunk, prefill_threads)
 
@@ -186,10 +112,10 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              prefix_block: PrefixBlock = 16, prefill_chunk: PrefillChunk = 256,
              prefill_threads: PrefillThreads = 0) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
-    _model_service("verifier", _server(port, host, tls_cert, tls_key, tls_ca, health_port), model,
+    _model_service("verifier", server_config(port, host, tls_cert, tls_key, tls_ca, health_port), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
-                   _telemetry("verifier", metrics_port, log_format, log_level), "model", redis,
+                   telemetry_config("verifier", metrics_port, log_format, log_level), "model", redis,
                    advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
                    prefill_chunk, prefill_threads)
 
@@ -317,8 +243,8 @@ def gateway(
 
     without_torch()  # before --model is checked: transformers would import torch
 
-    telemetry = _telemetry("gateway", metrics_port, log_format, log_level)
-    server = _server(port, host, tls_cert, tls_key, tls_ca, health_port)
+    telemetry = telemetry_config("gateway", metrics_port, log_format, log_level)
+    server = server_config(port, host, tls_cert, tls_key, tls_ca, health_port)
     model = model_reference(model, "--model") if model else ""
     if discovery == "kubernetes":
         from gateway.discovery import require_kubernetes
