@@ -85,6 +85,7 @@ class ServerConfig:
     grace_s: float = 5.0
     tls: TlsConfig = TlsConfig()
     health_port: int = 0  # plaintext grpc.health.v1 only (probes cannot speak TLS); 0 = off
+    parent_pid: int = 0  # stop once this process is no longer the parent (services/server.py)
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
@@ -92,6 +93,7 @@ class ServerConfig:
                  f"health port must be in 0..65535, got {self.health_port}")
         _require(not self.health_port or self.health_port != self.port,
                  "the health port must differ from the service port")
+        _require(self.parent_pid >= 0, f"parent pid must be >= 0, got {self.parent_pid}")
         _require(self.max_message_mb >= 1, "max message size must be at least 1 MB")
         _require(self.grace_s >= 0, "grace period must be >= 0 seconds")
 

@@ -173,14 +173,16 @@ class Mesh:
 def _spawn(name: str, argv: list[str], log_dir: Path, env: dict | None = None,
            started: list[Proc] | None = None) -> Proc:
     """Starts one process, its output in ``log_dir/<name>.log``; appended to ``started`` at
-    once, so that whoever stops that list stops it too."""
+    once, so that whoever stops that list stops it too. A service stops by itself when this
+    process dies (SPECMESH_PARENT_PID, ``--parent-pid``), even by SIGKILL."""
     log_path = log_dir / f"{name}.log"
     inherited = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_ENV}
     with deferred():  # an interrupt between fork and the append below would lose the child
         with open(log_path, "ab") as log:  # the child keeps its own descriptor
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env={**inherited, **(env or {})})
+                                     env={**inherited, **(env or {}),
+                                          "SPECMESH_PARENT_PID": str(os.getpid())})
         # No preexec_fn (e.g. PR_SET_PDEATHSIG): Python code between fork and exec can deadlock
         # when other threads (gRPC's) hold locks; `up` stops its children on SIGINT/SIGTERM.
         proc = Proc(name=name, popen=popen, log_path=log_path, argv=argv, env=env or {})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -40,7 +41,8 @@ async def serve(
 
     With ``config.tls`` the port speaks only TLS (mTLS when ``require_client_cert`` and a
     CA is configured); ``config.health_port`` adds a plaintext port that serves nothing but
-    grpc.health.v1, for probes that cannot speak TLS.
+    grpc.health.v1, for probes that cannot speak TLS. With ``config.parent_pid`` the server
+    stops the same way once that process is no longer its parent (``_orphaned``).
     """
     # DecodeGuard innermost: bytes that are not a valid request get INVALID_ARGUMENT.
     server = grpc.aio.server(options=config.grpc_options,
@@ -82,7 +84,10 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(_orphaned(config.parent_pid, stop)) if config.parent_pid else None
     await stop.wait()
+    if watch is not None:
+        watch.cancel()
     log.info("shutting down: draining for %.1f s", config.grace_s)
     if drain is not None:
         drain.start()
@@ -92,3 +97,18 @@ async def serve(
         await probe.stop(0)
     if on_stop is not None:
         await on_stop()
+
+
+PARENT_POLL_S = 1.0
+
+
+async def _orphaned(parent_pid: int, stop: asyncio.Event) -> None:
+    """Sets ``stop`` once this process's parent is no longer ``parent_pid``: the parent
+    died and the process was handed to init (or a subreaper). A process the local mesh
+    started then stops as on SIGTERM, where it would otherwise serve on, unseen, beside
+    whatever runs next on the machine. Polled: no signal reaches a child when its parent is
+    SIGKILLed, and PR_SET_PDEATHSIG would fire when the parent's spawning *thread* ends."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("parent process %d is gone: stopping", parent_pid)
+    stop.set()

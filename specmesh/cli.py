@@ -26,6 +26,7 @@ from specmesh.options import (
     MaxSessions,
     MetricsPort,
     Model,
+    ParentPid,
     Port,
     PrefillChunk,
     PrefillThreads,
@@ -88,10 +89,12 @@ def drafter(model: Model,
             kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "", tls_key: TlsKey = "",
             tls_ca: TlsCa = "", health_port: HealthPort = 0, forward: Forward = "auto",
             prefix_cache_mb: PrefixCacheMb = 256, prefix_block: PrefixBlock = 16,
-            prefill_chunk: PrefillChunk = 256, prefill_threads: PrefillThreads = 0) -> None:
+            prefill_chunk: PrefillChunk = 256, prefill_threads: PrefillThreads = 0,
+            parent_pid: ParentPid = 0) -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
-    _model_service("drafter", server_config(port, host, tls_cert, tls_key, tls_ca, health_port), model,
+    _model_service("drafter", server_config(port, host, tls_cert, tls_key, tls_ca, health_port,
+                                           parent_pid), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    telemetry_config("drafter", metrics_port, log_format, log_level), kind, redis,
@@ -110,9 +113,10 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0,
              forward: Forward = "auto", prefix_cache_mb: PrefixCacheMb = 256,
              prefix_block: PrefixBlock = 16, prefill_chunk: PrefillChunk = 256,
-             prefill_threads: PrefillThreads = 0) -> None:
+             prefill_threads: PrefillThreads = 0, parent_pid: ParentPid = 0) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
-    _model_service("verifier", server_config(port, host, tls_cert, tls_key, tls_ca, health_port), model,
+    _model_service("verifier", server_config(port, host, tls_cert, tls_key, tls_ca, health_port,
+                                            parent_pid), model,
                    device, dtype, max_sessions, max_draft_tokens,
                    threads, max_queue,
                    telemetry_config("verifier", metrics_port, log_format, log_level), "model", redis,
@@ -236,6 +240,7 @@ def gateway(
         help="Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
              "/v1/models; docs/api.md) on this port, with the same TLS and API keys; "
              "0 = off.")] = 0,
+    parent_pid: ParentPid = 0,
 ) -> None:
     """Run the gateway: the public specmesh.v1.Gateway API and the round loop."""
     from gateway.server import StartupError, run, without_torch
@@ -244,7 +249,7 @@ def gateway(
     without_torch()  # before --model is checked: transformers would import torch
 
     telemetry = telemetry_config("gateway", metrics_port, log_format, log_level)
-    server = server_config(port, host, tls_cert, tls_key, tls_ca, health_port)
+    server = server_config(port, host, tls_cert, tls_key, tls_ca, health_port, parent_pid)
     model = model_reference(model, "--model") if model else ""
     if discovery == "kubernetes":
         from gateway.discovery import require_kubernetes

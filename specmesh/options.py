@@ -71,11 +71,19 @@ HealthPort = Annotated[int, typer.Option("--health-port", envvar="SPECMESH_HEALT
                                               "probes when TLS is on (0 = off).")]
 
 
-def server_config(port: int, host: str, tls_cert: str, tls_key: str, tls_ca: str, health_port: int):
+ParentPid = Annotated[int, typer.Option(
+    "--parent-pid", envvar="SPECMESH_PARENT_PID", min=0,
+    help="Stop, as on SIGTERM, once the process with this pid is no longer this one's parent "
+         "(it died): the local mesh (`specmesh up`, bench, load) sets it for the processes it "
+         "starts, so that none outlives a parent that was killed; 0 = off.")]
+
+
+def server_config(port: int, host: str, tls_cert: str, tls_key: str, tls_ca: str,
+                  health_port: int, parent_pid: int = 0):
     from services.config import ServerConfig, TlsConfig
 
     try:
-        return ServerConfig(port=port, host=host, health_port=health_port,
+        return ServerConfig(port=port, host=host, health_port=health_port, parent_pid=parent_pid,
                             tls=TlsConfig(cert=tls_cert, key=tls_key, ca=tls_ca))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
     (["up", "--verifiers", "0"], "--verifiers"),
     (["up", "--metrics-port", "65534"], "--metrics-port"),
     (["verifier", "--model", "./no/such/model"], "./no/such/model"),
+    (["gateway", "--redis", "redis://x", "--parent-pid", "-1"], "--parent-pid"),
     (["generate", "x", "--no-such-option"], "--no-such-option"),
 ])
 def test_bad_values_are_one_line_and_exit_code_2(args, names):

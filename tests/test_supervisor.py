@@ -1,6 +1,7 @@
 """`specmesh up` as a supervisor (issue #12 item 3): SIGINT or SIGTERM while the mesh is still
 starting stops every process already started (none is left running under PID 1) and removes
-the temporary folder `up` made."""
+the temporary folder `up` made; a SIGKILLed `up` leaves no service running (they watch their
+parent)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,37 @@ def _wait_serving_gateway(children, timeout: float = 120) -> None:
     argv = gateway.cmdline()
     address = f"{argv[argv.index('--host') + 1]}:{argv[argv.index('--port') + 1]}"
     assert wait_serving(address, timeout)
+
+
+def test_services_stop_by_themselves_when_up_is_killed(tmp_path, pair):
+    """SIGKILL gives `up` no chance to stop its children: the gateway, the verifier and the
+    drafter see that their parent is gone (--parent-pid, which the local mesh sets) and stop
+    as on SIGTERM, instead of serving on unseen beside whatever runs next. Redis, a binary
+    of its own, is the one left; the test stops it."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    up = subprocess.Popen([*SPECMESH, "up", "--target", pair[0], "--draft", pair[1],
+                           "--port", str(free_port())],
+                          stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+    children = []
+    try:
+        names = (" verifier ", " drafter ", " gateway ")
+        children = _wait_for_children(up, ("redis-server", *names), 120)
+        _wait_serving_gateway(children)
+        services = [c for c in children if any(n in " ".join(c.cmdline()) for n in names)]
+        assert len(services) == 3, [c.cmdline() for c in children]
+        up.kill()
+        up.wait(10)
+        deadline = time.monotonic() + 30
+        while _alive(services) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(services), [c.cmdline() for c in _alive(services)]
+        logs = {p.stem: p.read_text(errors="replace") for p in temp.glob("specmesh-*/*.log")}
+        for name in ("gateway", "verifier-0", "drafter-0"):
+            assert f"parent process {up.pid} is gone" in logs[name], (name, logs[name][-2000:])
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for child in _alive(children):
+            child.kill()
