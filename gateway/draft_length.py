@@ -202,7 +202,7 @@ class DraftLength:
             return
         started, r = req.last_round
         if load_level(self._inflight()) > 0:
-            self._switch(kind, req).observe(started, now - started, len(r.proposed))
+            self._switch(kind, req).observe(started, now - started, len(r.proposed), r.cut)
         self._costs(kind, req).observe_cycle(len(r.drafted),
                                              (now - started) * 1000.0 / _plain_share(r))
 

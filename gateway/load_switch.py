@@ -12,8 +12,13 @@ streams); the per-request choice kept drafting, at 0.71x of target-only.
 What decides is the throughput of all the requests together in each mode. The switch runs
 the gateway's requests of one drafter kind at one load level in epochs of one mode (at
 least ``epoch_s`` and ``min_rounds`` rounds), and measures each epoch's tokens per
-request-second: the tokens of the rounds that began in it over those rounds' cycle times
-(a round that began in the previous mode does not count). It keeps the better mode and
+request-second: the tokens of the rounds that began in it over those rounds' cycle times.
+A round that began in the previous mode does not count, nor does a round without drafts that
+was cut to one token because its step also verified drafts (or fed a prompt): after a
+drafting epoch the first plain rounds run beside the others' last drafted ones, and on the
+demo pair at 8 streams about one round in five of the first plain epoch was cut, which put
+that epoch at 0.85 of what the plain epochs after it measured, and drafting, 0.85 of plain in
+its steady epochs, kept winning. It keeps the better mode and
 tries the other one again after 2 epochs, then 4, 8 and 16 while the incumbent keeps
 winning (2, 8, 16 when the other mode reached less than 0.8 of its rate): with a 1.5x
 difference, 1 epoch in 17 costs about 2%. A tie goes to not drafting.
@@ -77,10 +82,11 @@ class LoadSwitch:
         self._last = now
         return self.speculate
 
-    def observe(self, started: float, cycle_s: float, tokens: int) -> None:
+    def observe(self, started: float, cycle_s: float, tokens: int, cut: bool = False) -> None:
         """A round that began at ``started``, took ``cycle_s`` to the request's next round
-        and yielded ``tokens``."""
-        if self._start is None or started < self._start or cycle_s <= 0:
+        and yielded ``tokens``; ``cut``: a round without drafts cut short by the drafts of
+        others in its step (RoundResult.cut), not counted."""
+        if self._start is None or started < self._start or cycle_s <= 0 or cut:
             return
         self._tokens += tokens
         self._busy_s += cycle_s

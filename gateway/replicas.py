@@ -75,7 +75,8 @@ class Replica:
         self.steps[method] = StepBatcher(
             method, lambda request, timeout: self.send(method, request, timeout), send_batch,
             describe=_describe_verify if verify else lambda request: ("", False),
-            merging=merging, fit=fit_verify_step if verify else lambda requests: None)
+            merging=merging, fit=fit_verify_step if verify else lambda requests: None,
+            express=_feeds_prompt if verify else lambda request: False)
 
 
 _STREAMED = frozenset({"Draft", "Speculate", "Verify"})  # calls a replica's stream carries
@@ -87,6 +88,12 @@ _BATCHED = {"verifier": ("Verify", "VerifyBatch", wrap_verify, verifier_pb2.Veri
 def _describe_verify(request) -> tuple[str, bool]:
     """A Verify call's session, and whether it verifies no drafts (gateway/step_batch.py)."""
     return request.cache.session_id, not request.draft_token_ids
+
+
+def _feeds_prompt(request) -> bool:
+    """Whether a Verify call feeds a prompt (or resyncs a session): more than one new token
+    and no drafts. It goes beside a step rather than in the next (gateway/step_batch.py)."""
+    return not request.draft_token_ids and len(request.cache.new_tokens) > 1
 
 
 def fit_verify_step(requests: list[verifier_pb2.VerifyRequest]) -> None:

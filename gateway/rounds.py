@@ -122,12 +122,20 @@ class RoundResult:
     waited_ms: float = 0.0  # time spent awaiting replicas (the rest of the round is the gateway's)
     logprobs: tuple[TokenLogprobs, ...] = ()  # of ``proposed``, when the request asked for them
     more: tuple[int, ...] = ()  # a round without drafts: the verifier's tokens after extra_token
+    asked: int = 1  # a round without drafts: the tokens it asked for (fewer came: ``cut``)
 
     @property
     def proposed(self) -> list[int]:
         """The tokens this round yields: the accepted drafts, then the verifier's own
         token(s)."""
         return [*self.drafted[: self.num_accepted], self.extra_token, *self.more]
+
+    @property
+    def cut(self) -> bool:
+        """A round without drafts that got fewer tokens than it asked for, short of an end of
+        sequence: its Verify step also fed a prompt or verified drafts, and so asked each of
+        its calls for one token (gateway/replicas.py ``fit_verify_step``)."""
+        return not self.drafted and 1 + len(self.more) < self.asked
 
 
 def fanout_share(fanout: int, busy: int, requests: int = 1, max_requests: int = 1) -> int:
@@ -234,7 +242,8 @@ class RoundRunner:
             verify_compute_ms=result.compute_ms, pipeline=outcome, prefetch=spec,
             warm=result.cache_hit and (not fresh or (draft.cache_hit and lag <= k + 1)),
             waited_ms=(end - mid + (mid - start if fresh else 0.0)) * 1000,
-            logprobs=result.logprobs, more=result.more)
+            logprobs=result.logprobs, more=result.more,
+            asked=1 if drafted is not None else tokens)
 
     async def _lead(self, h: SessionHandle, params: SamplingParams, k: int, kind: str,
                     seed: int, round_index: int, deadline, logprobs: int) -> RoundResult:

@@ -107,12 +107,15 @@ class StepBatcher:
                  tracer: trace.Tracer | None = None, max_turns: int = 16,
                  describe: Callable[[object], tuple[str, bool]] = lambda request: ("", False),
                  merging: Callable[[], bool] = lambda: True, merge_s: float = 0.01,
-                 fit: Callable[[list], None] = lambda requests: None) -> None:
+                 fit: Callable[[list], None] = lambda requests: None,
+                 express: Callable[[object], bool] = lambda request: False) -> None:
         """``fit``: adjusts a step's requests before they go together (a Verify step that
         feeds a prompt or verifies drafts asks every call for one token: gateway/replicas.py
-        ``fit_verify_step``)."""
+        ``fit_verify_step``). ``express``: whether a call goes on its own path at once while
+        a step is gathered or in flight, instead of in the next step (``call``)."""
         self.name = name
         self._fit = fit
+        self._express = express
         self._send_one, self._send_batch = send_one, send_batch
         self._tracer = tracer or trace.get_tracer("specmesh")
         self._max_turns = max_turns
@@ -127,9 +130,21 @@ class StepBatcher:
         self.steps = 0  # steps sent
         self.calls = 0  # calls sent in them
         self.largest = 0  # most calls in one step
+        self.expressed = 0  # calls sent on their own path beside a step (``express``)
 
     async def call(self, request, timeout: float):
-        """The response to ``request``; raises AioRpcError as a unary call would."""
+        """The response to ``request``; raises AioRpcError as a unary call would.
+
+        An ``express`` call (a Verify call that feeds a prompt) made while a step is gathered
+        or in flight goes at once on its own path, in its caller's context: the replica's
+        continuous batching takes it into the pass after the one it runs, while the step's
+        calls go on. In the next step it would wait for the step out (up to --plain-tokens
+        passes) and then cut every call of its own step to one token (``fit``): at 8 streams
+        with requests arriving while others decode, about one plain round in five was cut
+        that way (docs/performance.md)."""
+        if self._step is not None and self._express(request):
+            self.expressed += 1
+            return await self._send_one(request, timeout)
         loop = asyncio.get_running_loop()
         waiting = _Waiting(request, loop.create_future(), loop.time() + timeout,
                            contextvars.copy_context(), *self._describe(request))

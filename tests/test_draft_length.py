@@ -107,11 +107,14 @@ def test_a_k_the_request_set_seeded_sampling_and_no_fallback_keep_the_k():
 
 def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 20.0,
                 streams: int = 8, dl_out: list | None = None,
-                alone_ms=None) -> list[tuple[float, int]]:
+                alone_ms=None, plain_tokens: int = 1) -> list[tuple[float, int]]:
     """``streams`` requests at once on a simulated clock, whose rounds all take
     ``plain_ms`` while none drafts and ``spec_ms`` while all do (in between by the share
     that drafts), as batched passes do; returns (start time, k) of every round. With
-    ``alone_ms`` (k -> ms), one request first runs 200 rounds alone on the same gateway."""
+    ``alone_ms`` (k -> ms), one request first runs 200 rounds alone on the same gateway.
+    ``plain_tokens``: what a round without drafts yields while no other request's round
+    drafts; beside one that does, one token (a Verify step with drafts asks each of its
+    calls for one: gateway/replicas.py ``fit_verify_step``)."""
     now = [0.0]
     calls = [0]
     alone = [alone_ms is not None]
@@ -143,9 +146,11 @@ def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
+        mixed = any(ks[j] for j in range(streams) if j != i)
+        more = (3,) * (plain_tokens - 1) if not k and not mixed else ()
         r = RoundResult(drafted=(9,) * k, drafter_tail=(9,) * k, num_accepted=accepted,
                         extra_token=3, draft_ms=0.0, verify_ms=8.0, draft_compute_ms=0.0,
-                        verify_compute_ms=7.0)
+                        verify_compute_ms=7.0, more=more, asked=1 if k else plain_tokens)
         dl.learn(reqs[i], "model", r)
         reqs[i].last_round = (now[0], r)
         share = sum(1 for j in ks if j) / streams
@@ -196,6 +201,38 @@ def test_loaded_epochs_begin_with_what_lone_requests_found():
     paying = _population(0.65, plain_ms=28.0, spec_ms=38.0, seconds=1.0,
                          alone_ms=lambda k: 10.0 + 1.5 * k)
     assert _drafting_share(paying, 0.0) > 0.9
+
+
+def test_under_load_plain_rounds_of_several_tokens_win_when_they_yield_more():
+    """Plain rounds of 4 tokens in 50 ms (80 tokens per request-second) against drafted ones
+    of 2.95 tokens in 40 ms (74): not drafting is 1.08x. The first plain round of each
+    request in an epoch yields one token (it runs beside the others' last drafted rounds);
+    counted, it would put plain at about 0.8 of its rate and keep drafting."""
+    log = _population(0.8, plain_ms=50.0, spec_ms=40.0, plain_tokens=4)
+    assert _drafting_share(log, 10.0) < 0.2
+
+
+def test_a_plain_round_cut_short_by_its_step_is_not_counted():
+    """A round without drafts that asked for 4 tokens and got one, because its step also
+    verified the others' drafts (after a drafting epoch) or fed a prompt, shows neither
+    mode's rate: not counted. A round that got what it asked for, a drafted round and a
+    one-token round that asked for one are."""
+    def plain(asked, got):
+        return RoundResult(drafted=(), drafter_tail=None, num_accepted=0, extra_token=3,
+                           draft_ms=0.0, verify_ms=8.0, draft_compute_ms=0.0,
+                           verify_compute_ms=7.0, more=(3,) * (got - 1), asked=asked)
+    assert plain(4, 1).cut and plain(4, 3).cut
+    assert not plain(4, 4).cut and not plain(1, 1).cut
+    drafted = replace(plain(1, 1), drafted=(9, 9, 9), num_accepted=0)
+    assert not drafted.cut
+    switch = LoadSwitch(min_rounds=2)
+    assert switch.mode(0.0) is True
+    for _ in range(2):
+        switch.observe(0.0, 0.02, 1, cut=True)  # 50 tokens/s: not counted
+        switch.observe(0.1, 0.05, 4)  # 80 tokens/s
+    switch.mode(0.3)
+    assert switch.mode(0.6) is False  # the epoch ended; the other mode is measured next
+    assert switch.rate == {True: 80.0}
 
 
 def _switch_modes(rate: dict[bool, float], seconds: float = 60.0) -> list[bool]:

@@ -81,6 +81,33 @@ def test_a_wave_goes_as_one_step_and_each_call_gets_its_own_answer():
     asyncio.run(main())
 
 
+def test_an_express_call_goes_beside_the_step_in_flight_not_in_the_next():
+    """A Verify call that feeds a prompt (``express``; here the requests of 100 and more)
+    made while a step is in flight goes at once on its own path, answered while that step
+    is still out, and the calls made beside it still go together as the next step: in it
+    the prompt would wait for the step out and cut its calls to one token each."""
+    async def main():
+        replica = _Replica(delay=0.05)
+        b = StepBatcher("Verify", replica.one, replica.batch, express=lambda n: n >= 100)
+        step = [asyncio.ensure_future(b.call(n, 5.0)) for n in (0, 1)]
+        await asyncio.sleep(0.01)  # that step is in flight
+        later = [asyncio.ensure_future(b.call(n, 5.0)) for n in (2, 3)]
+        prompt = asyncio.ensure_future(b.call(100, 5.0))
+        await asyncio.sleep(0.01)
+        assert not any(f.done() for f in step)  # the first step is still out ...
+        assert replica.steps == [("batch", [0, 1]), ("one", [100])]  # ... the prompt went
+        assert (await prompt).num_accepted == 100
+        results = await asyncio.gather(*step, *later)
+        assert [r.num_accepted for r in results] == [0, 1, 2, 3]
+        assert replica.steps == [("batch", [0, 1]), ("one", [100]), ("batch", [2, 3])]
+        assert b.expressed == 1
+        alone = await b.call(101, 5.0)  # no step out: an express call starts one as usual
+        assert alone.num_accepted == 101 and replica.steps[-1] == ("one", [101])
+        assert b.expressed == 1
+
+    asyncio.run(main())
+
+
 def test_calls_made_while_a_step_is_in_flight_go_together_as_the_next_step():
     async def main():
         replica = _Replica(delay=0.05)
