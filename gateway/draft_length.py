@@ -144,7 +144,12 @@ class DraftLength:
         over the last rounds (a request that ends and the next that starts would otherwise
         flip 8 streams between the levels of 4-7 and 8-15 at every boundary, handing a few
         rounds to a switch whose epochs never complete); a new level's starts from the
-        nearest level's, the first one from what lone requests measured (``_pays_alone``)."""
+        nearest level's. The first one starts without drafts when rounds without drafts
+        decode several tokens (--plain-tokens), and measures drafting after 2 epochs: what a
+        lone request measured (its plain rounds are rare one-token probes) says little about
+        them, and on the demo pair drafting in every round ran at 0.84x / 0.76x of
+        target-only at 8 / 16 streams (docs/performance.md). With one-token plain rounds it
+        starts from what lone requests measured (``_pays_alone``)."""
         level = self._level()
         switch = self.switches.get((kind, level))
         if switch is None:
@@ -154,6 +159,8 @@ class DraftLength:
                 switch = self.switches[near].seeded()
             else:
                 pays = self._pays_alone(kind, req)
+                if self.config.plain_tokens > 1:  # (lone requests' plain probes: one token)
+                    pays = False
                 switch = LoadSwitch() if pays is None else LoadSwitch(speculate=pays,
                                                                       patient=True)
             self.switches[(kind, level)] = switch

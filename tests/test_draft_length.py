@@ -107,7 +107,8 @@ def test_a_k_the_request_set_seeded_sampling_and_no_fallback_keep_the_k():
 
 def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 20.0,
                 streams: int = 8, dl_out: list | None = None,
-                alone_ms=None, plain_tokens: int = 1) -> list[tuple[float, int]]:
+                alone_ms=None, plain_tokens: int = 1,
+                config: dict | None = None) -> list[tuple[float, int]]:
     """``streams`` requests at once on a simulated clock, whose rounds all take
     ``plain_ms`` while none drafts and ``spec_ms`` while all do (in between by the share
     that drafts), as batched passes do; returns (start time, k) of every round. With
@@ -125,7 +126,7 @@ def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 
             return 1
         return streams - 1 if calls[0] % 10 == 0 else streams
 
-    dl = _draft_length(inflight, clock=lambda: now[0])
+    dl = _draft_length(inflight, clock=lambda: now[0], **(config or {}))
     if dl_out is not None:
         dl_out.append(dl)
     if alone[0]:
@@ -184,23 +185,37 @@ def test_under_load_drafting_stays_when_it_pays():
 
 
 def test_loaded_epochs_begin_with_what_lone_requests_found():
-    """A gateway whose lone requests behind a long context found that drafts do not pay
-    starts its first loaded epochs without them and measures drafting on the usual
-    schedule (after 2 epochs of 0.5 s), instead of beginning with an epoch of drafting; one
-    whose lone requests found that drafts pay begins drafting, as a switch without evidence
-    does."""
+    """With one-token plain rounds (--plain-tokens 1): a gateway whose lone requests behind a
+    long context found that drafts do not pay starts its first loaded epochs without them
+    and measures drafting on the usual schedule (after 2 epochs of 0.5 s), instead of
+    beginning with an epoch of drafting; one whose lone requests found that drafts pay
+    begins drafting, as a switch without evidence does."""
     dls = []
+    one = {"plain_tokens": 1}
     log = _population(0.15, plain_ms=31.0, spec_ms=53.0, seconds=4.0, alone_ms=bad,
-                      dl_out=dls)
+                      dl_out=dls, config=one)
     first = min(t for t, k in log if k)
     assert 1.0 <= first < 2.5, first  # two plain epochs, then drafting is measured
     assert all(switch.patient for switch in dls[0].switches.values())
-    cold = _population(0.15, plain_ms=31.0, spec_ms=53.0, seconds=4.0)
+    cold = _population(0.15, plain_ms=31.0, spec_ms=53.0, seconds=4.0, config=one)
     assert _drafting_share(cold, 0.0) > _drafting_share(log, 0.0)
     assert min(t for t, k in cold if k) < 0.01  # no evidence: the first epoch drafts
     paying = _population(0.65, plain_ms=28.0, spec_ms=38.0, seconds=1.0,
-                         alone_ms=lambda k: 10.0 + 1.5 * k)
+                         alone_ms=lambda k: 10.0 + 1.5 * k, config=one)
     assert _drafting_share(paying, 0.0) > 0.9
+
+
+def test_with_plain_rounds_of_several_tokens_loaded_epochs_begin_without_drafts():
+    """--plain-tokens 4 (the default): the first loaded epochs go without drafts even where
+    lone requests found that drafts pay (their plain rounds were one-token probes), and
+    drafting is measured after 2 epochs; where it pays, it is then kept."""
+    dls = []
+    paying = _population(0.65, plain_ms=28.0, spec_ms=38.0, seconds=6.0,
+                         alone_ms=lambda k: 10.0 + 1.5 * k, dl_out=dls)
+    assert all(switch.patient for switch in dls[0].switches.values())
+    first = min(t for t, k in paying if k)
+    assert 1.0 <= first < 1.6, first  # two epochs without drafts, then drafting measured
+    assert _drafting_share(paying, 3.0) > 0.85
 
 
 def test_under_load_plain_rounds_of_several_tokens_win_when_they_yield_more():
