@@ -145,10 +145,11 @@ def test_drafter_killed_mid_stream_request_completes_with_same_output(own_mesh, 
     try:
         tokens = [t for c in chunks for t in c.token_ids]
         assert tokens == hf_greedy(model, tokenizer(prompt)["input_ids"], 60)
-        # Rounds after the kill (allowing two that may have run ahead of the client) had no
-        # drafts: one token each.
-        assert len(chunks) > 6
-        assert all(len(c.token_ids) == 1 for c in chunks[4:])
+        # Rounds after the kill had no drafts: one token each (a drafted round yields ~3).
+        # The gateway may have run rounds ahead of the client when the kill came: in one full
+        # test run, with the cores contended, more than the two this check used to allow.
+        assert len(chunks) > 30
+        assert all(len(c.token_ids) == 1 for c in chunks[8:])
     finally:
         own_mesh.restart("drafter-0")
 
