@@ -218,6 +218,10 @@ def bench(
                                                      "count.")] = 1,
     device: Annotated[str, typer.Option(help="Device of the local mesh's models and of the HF "
                                              "rows.")] = "cpu",
+    drafter_device: Annotated[str, typer.Option(
+        help="Device of the local mesh's model drafter, when it differs from --device (e.g. "
+             "--device cuda --drafter-device cpu: the target on the accelerator, the drafter "
+             "on the CPU beside it); default: --device.")] = "",
     out: Annotated[Path, typer.Option(help="Where bench.json, bench.md and the PNG plots go.")
                    ] = Path("bench-results"),
     seed: Annotated[int, typer.Option(help="Sampling seed sent with every request (greedy "
@@ -293,11 +297,12 @@ def bench(
         else:
             metrics_port = free_port()
             service_args = ("--threads", str(threads), "--device", device)
+            drafter_args = ("--threads", str(threads), "--device", drafter_device or device)
             mesh = start_mesh(MeshSpec(
                 target=target, draft=drafter, port=free_port(), drafters=1,
                 ngram_drafters=int("ngram" in keys), log_dir=out / "logs",
                 extra_gateway_args=("--metrics-port", str(metrics_port)),
-                extra_verifier_args=service_args, extra_drafter_args=service_args))
+                extra_verifier_args=service_args, extra_drafter_args=drafter_args))
             addr = mesh.gateway_address
             probe = ServiceProbe(mesh.verifier_addresses, mesh.drafter_addresses,
                                  f"http://127.0.0.1:{metrics_port}/metrics")
@@ -326,6 +331,7 @@ def bench(
                      "repeat": repeat,
                      "modes": keys, "threads": threads,
                      "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
+                     "drafter_device": drafter_device or device,
                      "seed": seed, "shared_prefix_tokens": prefix_tokens,
                      "address": address,
                      "peers": [{"name": p.name, "url": p.url, "model": m} for p, m in peers],

@@ -234,6 +234,16 @@ def _md_table(header, rows: list[list[str]], left: int = 1) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def device_note(settings: dict) -> str:
+    """Where the models ran, for the report's first line ("" for an all-CPU run)."""
+    device = settings.get("device", "cpu")
+    drafter = settings.get("drafter_device", device)
+    if device == drafter == "cpu":
+        return ""
+    return f"models on {device}" + (f", the model drafter on {drafter}" if drafter != device
+                                     else "") + "; "
+
+
 def markdown(report: dict) -> str:
     s, m = report["settings"], report["machine"]
     labels = {r["mode"]: r["label"] for r in report["rows"]}
@@ -244,7 +254,7 @@ def markdown(report: dict) -> str:
              f"({fmt(report['models']['draft']['params'], ',')} params); {len(s['prompts'])} "
              f"prompts{_prefix_note(s)}, greedy, max_new_tokens {s['max_new_tokens']}, "
              f"k {s['k']}, torch threads {s['threads']} per mesh process, {s['hf_threads']} "
-             f"in process (HF rows); "
+             f"in process (HF rows); {device_note(s)}"
              f"{m['cpu']} ({m['cores']} cores), torch {m['torch']}.", "",
              *baseline_lines(report), "",
              *_md_table([c for c, _ in ROW_COLUMNS], [row_cells(r) for r in report["rows"]]),

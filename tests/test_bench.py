@@ -24,7 +24,7 @@ from specmesh.bench_costs import (
 )
 from specmesh.bench_machine import ProcessCpu, wait_quiet
 from specmesh.bench_prompts import PROMPTS_PATH, first_prompt, load_prompts, make_prompt_set
-from specmesh.bench_report import per_token_alpha, summarize
+from specmesh.bench_report import device_note, per_token_alpha, summarize
 from specmesh.cli import app
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -343,10 +343,12 @@ def test_bench_repeats_each_cell_and_reports_its_median_run(tiny_pair, tmp_path)
     result = CliRunner().invoke(app, ["bench", "--target", target, "--drafter", draft,
                                       "--modes", "target,model", "--no-hf", "--concurrency",
                                       "1,2", "--prompts", "2", "--max-new-tokens", "8",
-                                      "--repeat", "3", "--out", str(out)])
+                                      "--repeat", "3", "--drafter-device", "cpu",
+                                      "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     assert report["settings"]["repeat"] == 3
+    assert report["settings"]["device"] == report["settings"]["drafter_device"] == "cpu"
     assert {(r["mode"], r["concurrency"]) for r in report["rows"]} == {
         (m, c) for m in ("target", "model") for c in (1, 2)}
     for r in report["rows"]:
@@ -355,6 +357,17 @@ def test_bench_repeats_each_cell_and_reports_its_median_run(tiny_pair, tmp_path)
         assert r["requests"] == 2 and r["errors"] == 0 and r["outputs_match"] is True
     md = (out / "bench.md").read_text()
     assert "| mode | concurrency | tokens/s | runs |" in md and md.count(" (3) |") == 4
+
+
+def test_the_report_says_where_the_models_ran():
+    """bench.md's first line names the device only when a model left the CPU, and the model
+    drafter's only when it differs (the design's case: the target on an accelerator, the
+    drafter on the CPU)."""
+    assert device_note({"device": "cpu", "drafter_device": "cpu"}) == ""
+    assert device_note({}) == ""  # a report from before --drafter-device
+    assert device_note({"device": "cuda", "drafter_device": "cuda"}) == "models on cuda; "
+    assert device_note({"device": "cuda", "drafter_device": "cpu"}) == (
+        "models on cuda, the model drafter on cpu; ")
 
 
 def test_shared_prefix_prompts_start_with_one_context_of_the_asked_length(tiny_pair):
