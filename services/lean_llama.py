@@ -179,7 +179,7 @@ class LeanLlama(torch.nn.Module):
         KV = keys.shape[1]
         grouped = q.reshape(B, KV, (H // KV) * m, D)  # [B, KV, G m, D]
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-        return out.view(B, H, m, D)
+        return out.reshape(B, H, m, D)
 
     def _group_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """A mask over m query rows [.., m, L] for ``_attend``: repeated for the G query heads

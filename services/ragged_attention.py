@@ -128,7 +128,7 @@ def attend(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor], q: torch.T
     H, _, D = q.shape
     grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=p.mask)
-    return out.view(p.n, H, p.width, D)[p.rel, :, p.j].transpose(0, 1)  # [H, P, D]
+    return out.reshape(p.n, H, p.width, D)[p.rel, :, p.j].transpose(0, 1)  # [H, P, D]
 
 
 def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -150,8 +150,8 @@ def _attend_slots_lse(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor],
     G = q.shape[0] // KV
     grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
     out, lse = attend_lse(grouped, keys, values, p.mask)  # [n, KV, G M, D], [n, KV, G M]
-    out = out.view(p.n, KV, G, p.width, -1)[p.rel, :, :, p.j]  # [P, KV, G, D]
-    lse = lse.view(p.n, KV, G, p.width)[p.rel, :, :, p.j]  # [P, KV, G]
+    out = out.reshape(p.n, KV, G, p.width, -1)[p.rel, :, :, p.j]  # [P, KV, G, D]
+    lse = lse.reshape(p.n, KV, G, p.width)[p.rel, :, :, p.j]  # [P, KV, G]
     return out.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
 
 
@@ -204,15 +204,15 @@ def cascade(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int], pool,
         s, m = starts[b], c1 - c0
         out, lse = attend_lse(q[None, :, s:s + m].reshape(1, KV, G * m, D),
                               cache.keys[:, :, c.shared:], cache.values[:, :, c.shared:], mask)
-        o_s[:, :, c0:c1], lse_s[:, :, c0:c1] = out.view(KV, G, m, D), lse.view(KV, G, m)
+        o_s[:, :, c0:c1], lse_s[:, :, c0:c1] = out.reshape(KV, G, m, D), lse.reshape(KV, G, m)
     first = rows[c.rows[0]].kv.layers[layer]  # the shared positions: one copy for all
     o_p, lse_p = attend_lse(q[:, c.tok].view(1, KV, G * N, D), first.keys[:, :, :c.shared],
                             first.values[:, :, :c.shared], None)  # [1, KV, G N, D], [1, KV, G N]
-    o_p, lse_p = o_p.view(KV, G, N, D), lse_p.view(KV, G, N)
+    o_p, lse_p = o_p.reshape(KV, G, N, D), lse_p.reshape(KV, G, N)
     lse = torch.logaddexp(lse_p, lse_s)
     out = (o_p * (lse_p - lse).exp()[..., None]
            + o_s * (lse_s - lse).exp()[..., None]).to(q.dtype)  # (lse is float32)
-    return out.view(H, N, D)
+    return out.reshape(H, N, D)
 
 
 def advance(rows: Sequence, plans: Sequence[PooledRows]) -> None:

@@ -220,3 +220,23 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     for (past, new, _), ref, out, row in zip(plan, refs, got, lean_rows, strict=True):
         torch.testing.assert_close(out, ref, **TOL)
         assert row.kv.get_seq_length() == len(past) + new
+
+
+def test_attention_outputs_in_a_gpu_kernels_layout_give_the_same_logits(models, monkeypatch):
+    """CUDA's flash and memory-efficient SDPA kernels return [B, H, m, D] laid out as
+    [B, m, H, D] (not contiguous); PyTorch's CPU kernels return it contiguous. A GPU cannot
+    run here, so SDPA is wrapped to hand back its exact values in the GPU's layout, and the
+    lean forward must reshape rather than view them (a verifier on a GPU crashed on the
+    first pass with grouped-query attention before). Prompt, steps and batched rows against
+    HF, which gets the same layout."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def gpu_layout(*args, **kwargs):
+        out = sdpa(*args, **kwargs)  # [B, H, m, D]
+        strided = out.transpose(1, 2).contiguous().transpose(1, 2)
+        assert out.shape[1] == 1 or out.shape[2] == 1 or not strided.is_contiguous()
+        return strided
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
+    test_prefill_then_steps_match_hf(models)
+    test_batched_rows_match_each_row_alone(models)
