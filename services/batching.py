@@ -111,7 +111,11 @@ def forward_rows(model, rows: Sequence[Row], device: torch.device,
         return [forward_one(model, rows[0], device)]
     ragged = getattr(model, "forward_ragged", None)
     if ragged is not None:  # the lean forward: each cache read in place, nothing stacked
-        return [lg.cpu() for lg in ragged(rows, shared_prefixes(rows))]
+        logits = ragged(rows, shared_prefixes(rows))
+        if logits[0].device.type == "cpu":
+            return logits
+        # from an accelerator in one copy (one wait for the pass), not one per row
+        return list(torch.cat(logits).cpu().split([len(lg) for lg in logits]))
     B = len(rows)
     lengths = [r.start for r in rows]
     sizes = [len(r.tokens) for r in rows]

@@ -46,6 +46,31 @@ from services.config import FORWARD_MODES
 from services.kv_slab import KVPool, SlabCache
 
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
+POOL_SEGMENT = 16  # slots allocated together
+POOL_MAX_SLOTS = 256  # a replica lowers it to its --max-sessions and --kv-budget-mb
+POOL_MEMORY_SHARE = 0.5  # of an accelerator's memory free after the weights, at most
+
+
+def pool_slots(device: torch.device, slot_bytes: int, free_bytes: int | None) -> int:
+    """How many KV pool slots a model on ``device`` may hold. On a CPU ``POOL_MAX_SLOTS``:
+    ``torch.empty`` takes address space there and a page is backed once a cache writes it.
+    On an accelerator a segment's memory is taken at once, whatever its sessions hold: as
+    many slots as ``POOL_MEMORY_SHARE`` of the memory free after the weights (``free_bytes``)
+    holds, so that sessions beyond them, prefills and activations still fit (a session
+    without a slot has a cache of its own, as before pools). 0 (no pool) where the free
+    memory is not known."""
+    if device.type == "cpu":
+        return POOL_MAX_SLOTS
+    if not free_bytes or slot_bytes <= 0:
+        return 0
+    return min(POOL_MAX_SLOTS, int(free_bytes * POOL_MEMORY_SHARE) // slot_bytes)
+
+
+def _free_memory(device: torch.device) -> int | None:
+    """Bytes free on a CUDA device (None elsewhere: the CPU's pages are taken as written)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
 POOL_PAD = 512  # padded positions the longest row may add to the others' before it goes alone
 
@@ -159,11 +184,15 @@ class LeanLlama(torch.nn.Module):
                 down=_Linear(mlp.down_proj.weight, self.packed)))
         self._lm_head = _Linear(model.lm_head.weight, self.packed)
         weight = model.lm_head.weight
-        # on a CPU, caches are slots of one pool (a pass attends over many in one call);
-        # elsewhere a slot's memory would be taken at once, not as it is written
-        self.pool = KVPool(c.num_hidden_layers, self._kv_heads, self._head_dim,
-                           min(c.max_position_embeddings, POOL_SLOT_CAP), dtype=weight.dtype,
-                           device=weight.device) if weight.device.type == "cpu" else None
+        # caches are slots of one pool while there are slots: a pass attends over many in
+        # one call per layer (on a GPU, one kernel instead of one per session and layer)
+        slot_len = min(c.max_position_embeddings, POOL_SLOT_CAP)
+        slot_bytes = (2 * c.num_hidden_layers * self._kv_heads * slot_len * self._head_dim
+                      * weight.element_size())
+        slots = pool_slots(weight.device, slot_bytes, _free_memory(weight.device))
+        self.pool = KVPool(c.num_hidden_layers, self._kv_heads, self._head_dim, slot_len,
+                           segment=min(POOL_SEGMENT, slots), max_slots=slots,
+                           dtype=weight.dtype, device=weight.device) if slots else None
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

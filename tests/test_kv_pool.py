@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from services import ragged_attention
 from services.batching import Row, forward_one, forward_rows
 from services.kv_slab import KVPool, SlabCache
-from services.lean_llama import POOL_ROW_MAX, LeanLlama
+from services.lean_llama import POOL_MAX_SLOTS, POOL_ROW_MAX, LeanLlama, pool_slots
 
 TOL = dict(atol=2e-5, rtol=1e-5)
 
@@ -24,6 +24,19 @@ TOL = dict(atol=2e-5, rtol=1e-5)
 def _pool(slot_len: int = 64, segment: int = 4, max_slots: int = 6) -> KVPool:
     return KVPool(num_layers=2, kv_heads=1, head_dim=2, slot_len=slot_len, segment=segment,
                   max_slots=max_slots)
+
+
+def test_a_pool_takes_half_an_accelerators_free_memory_at_most_and_any_cpus_address_space():
+    """On a CPU a slot costs the pages its session wrote, so the pool has every slot; on a
+    GPU a segment's memory is taken at once, so the slots fit in half the memory free after
+    the weights (a GPU cannot run here: the sizing is a pure function of the free bytes)."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert pool_slots(cpu, 10**9, None) == POOL_MAX_SLOTS
+    mb = 1 << 20
+    assert pool_slots(gpu, 9 * mb, 100 * mb) == 5  # 50 MB hold 5 slots of 9 MB, not 11
+    assert pool_slots(gpu, 9 * mb, 17 * mb) == 0  # not one slot: the caches of their own
+    assert pool_slots(gpu, mb, 10**6 * mb) == POOL_MAX_SLOTS
+    assert pool_slots(gpu, mb, None) == 0  # free memory unknown: no pool
 
 
 def test_slots_go_lowest_first_come_back_when_the_cache_is_garbage_and_are_bounded():
