@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import grpc
 
 from gateway.replicas import Replica
@@ -32,6 +36,33 @@ class ReplicaFailed(Exception):
         super().__init__(f"{replica.address}: {code.name}: {details}")
         self.replica = replica
         self.code = code
+
+
+T = TypeVar("T")
+BUSY_WAIT_S = 2.0  # how long a call waits, in all, for a session busy on a replica
+
+
+async def when_free(call: Callable[[], Awaitable[T]], left: Callable[[], float | None]) -> T:
+    """``call()``, made again after a short wait while the replica answers ABORTED: the
+    session is busy there with a call of an earlier request. A request cut off by its
+    client's deadline or a cancel stops on the gateway at once, but its call on the replica
+    ends with the pass it is in (a plain call's passes, up to ``--plain-tokens``), so the
+    session's next request can find it busy for a few milliseconds. Waits 5 ms, doubling up
+    to 100 ms, at most ``BUSY_WAIT_S`` in all and never past the request's deadline
+    (``left()``: seconds left, None without one); then the ABORTED stands. The replica is
+    not at fault either way."""
+    wait, waited = 0.005, 0.0
+    while True:
+        try:
+            return await call()
+        except ReplicaFailed as exc:
+            remaining = left()
+            if exc.code != grpc.StatusCode.ABORTED or waited + wait > BUSY_WAIT_S or (
+                    remaining is not None and remaining < wait):
+                raise
+        await asyncio.sleep(wait)
+        waited += wait
+        wait = min(2 * wait, 0.1)
 
 
 async def _call(replica: Replica, method: str, request, timeout: float):

@@ -38,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 import redis.asyncio as aioredis
@@ -47,7 +48,7 @@ from gateway import clients
 from gateway.clients import ReplicaFailed
 from gateway.replicas import ReplicaPool
 from services.config import GatewayConfig
-from services.errors import DeadlineExceeded, ResyncRequired, Unavailable
+from services.errors import Busy, DeadlineExceeded, ResyncRequired, Unavailable
 from services.messages import (
     CacheDelta,
     DraftCall,
@@ -336,19 +337,26 @@ class RoundRunner:
         """Runs ``call(replica, base_len)`` on the replica holding the session's cache (role
         "drafter" or "verifier"), resyncing from base 0 when asked; a failed replica is marked
         down and the next one tried from scratch. None when no replica could answer. A call
-        cut short by the request's own deadline is the request's failure, not the replica's."""
+        cut short by the request's own deadline is the request's failure, not the replica's;
+        a replica where the session stays busy (``clients.when_free``) is passed over, not
+        marked down, and Busy is raised when no other one answered."""
         holder, valid = getattr(h, role), getattr(h, f"{role}_len")
         tried: set[str] = set()
+        busy: ReplicaFailed | None = None
         cached = await self._cached(pool, role, h, holder, kind)
         while (replica := pool.pick(holder, frozenset(tried), kind, cached,
                                     self.config.prefix_affinity)) is not None:
             base = min(valid, len(h.tokens) - 1) if replica.address == holder else 0
             try:
                 try:
-                    result = await call(replica, base)
+                    result = await clients.when_free(partial(call, replica, base), deadline)
                 except ResyncRequired:
-                    result = await call(replica, 0)
+                    result = await clients.when_free(partial(call, replica, 0), deadline)
             except (ReplicaFailed, ResyncRequired) as exc:
+                if isinstance(exc, ReplicaFailed) and exc.code == grpc.StatusCode.ABORTED:
+                    busy = exc  # still busy after clients.when_free: not the replica's fault
+                    tried.add(replica.address)
+                    continue
                 left = deadline()
                 if (isinstance(exc, ReplicaFailed) and left is not None and left < 0.05
                         and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -362,6 +370,9 @@ class RoundRunner:
             pool.mark_ok(replica)
             setattr(h, role, replica.address)
             return result
+        if busy is not None:
+            raise Busy(f"session {h.session_id} is still busy on {role} {busy.replica.address} "
+                       f"with a call of an earlier request: retry") from busy
         return None
 
     async def _cached(self, pool: ReplicaPool, role: str, h: SessionHandle, holder: str,
@@ -395,7 +406,10 @@ class RoundRunner:
                 cache=delta, num_tokens=k, params=params, seed=seed,
                 max_support=self.config.max_support), self._timeout(deadline))
 
-        result = await self._on_replica(h, self.drafters, "drafter", call, kind, deadline)
+        try:
+            result = await self._on_replica(h, self.drafters, "drafter", call, kind, deadline)
+        except Busy:  # the session's earlier call still runs there: draft nothing this round
+            result = None
         if result is None:
             log.warning("no drafter reachable: session %s runs this round without drafts",
                         h.session_id)

@@ -11,6 +11,7 @@ import torch
 
 from gateway.rounds import fanout_share
 from services.batching import Row, StepJob
+from services.errors import Busy
 from services.model_runner import ModelRunner
 from services.params import SamplingParams
 from tests.round_harness import Harness, greedy_chain, tables
@@ -220,3 +221,61 @@ def test_a_job_raising_stop_iteration_fails_only_its_own_call():
     assert isinstance(bad, RuntimeError) and "StopIteration" in str(bad)
     logits, _, batch = good
     assert batch == 2 and torch.equal(logits[0], target.a[1] + target.b[0])
+
+
+def _busy_for(caches, session_id: str, seconds: float | None) -> None:
+    """Holds ``session_id`` busy in a replica's caches, as a call of an earlier request that
+    still runs there would; released after ``seconds`` (None: kept)."""
+    caches._busy.add(session_id)
+    if seconds is not None:
+        asyncio.get_running_loop().call_later(seconds, caches._busy.discard, session_id)
+
+
+def test_a_session_still_busy_on_the_verifier_waits_and_the_replica_stays_up():
+    """A request cut off by its client's deadline leaves its call running on the verifier
+    for a pass or so; the session's next request used to get ABORTED there, mark the one
+    verifier down and fail with UNAVAILABLE. It now waits for the call to end, and
+    output is unchanged."""
+    target, draft = tables(vocab=48, seed=3, noise=1.0)
+    harness = Harness(target, draft, pipeline=False)
+
+    async def go():
+        def hold(before, committed_before, r, h):
+            if len(h.tokens) - len(PROMPT) in range(1, 5) and not held:
+                held.append(True)
+                _busy_for(harness.verifier.caches, "s1", 0.03)
+        held = []
+        h, rounds = await harness.generate(PROMPT, 30, GREEDY, on_round=hold)
+        return h, rounds, held
+
+    h, rounds, held = asyncio.run(go())
+    assert held == [True]
+    assert h.tokens[len(PROMPT):][:30] == greedy_chain(target, PROMPT, 30)
+    verifier = harness.pools["verifier"].replicas["verifier"]
+    assert verifier.up  # never marked down
+    assert harness.stub("verifier").calls["Verify"] > len(rounds)  # one a round, + ABORTED
+
+
+def test_a_session_that_stays_busy_is_aborted_not_unavailable(monkeypatch):
+    """Past the wait (``BUSY_WAIT_S``) the request gets Busy (ABORTED: retry), and neither
+    replica is marked down; a drafter where the session stays busy drafts nothing for the
+    round instead of failing it."""
+    monkeypatch.setattr("gateway.clients.BUSY_WAIT_S", 0.05)
+    target, draft = tables(vocab=48, seed=3, noise=1.0)
+
+    async def go(kind: str):
+        harness = Harness(target, draft, pipeline=False)
+        _busy_for(getattr(harness, kind).caches, "s1", None)
+        try:
+            return harness, await harness.generate(PROMPT, 8, GREEDY)
+        except Busy as exc:
+            return harness, exc
+
+    harness, outcome = asyncio.run(go("verifier"))
+    assert isinstance(outcome, Busy) and "still busy on verifier" in str(outcome)
+    assert harness.stub("verifier").calls["Verify"] >= 3  # waited, called again
+    assert harness.pools["verifier"].replicas["verifier"].up
+    harness, (h, rounds) = asyncio.run(go("drafter"))
+    assert h.tokens[len(PROMPT):][:8] == greedy_chain(target, PROMPT, 8)
+    assert all(r.drafted == () for r in rounds)  # no drafts while the drafter is busy
+    assert harness.pools["drafter"].replicas["drafter"].up
