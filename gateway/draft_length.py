@@ -28,7 +28,7 @@ from gateway.adaptive import (
 )
 from gateway.load_switch import LoadSwitch
 from gateway.replicas import ReplicaPool
-from gateway.rounds import RoundResult
+from gateway.round_result import RoundResult
 from services.config import GatewayConfig
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.draft_length import DraftLength
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
-from gateway.rounds import RoundResult, RoundRunner, SpecCache, commit_round
+from gateway.round_result import RoundResult, SpecCache, commit_round
+from gateway.rounds import RoundRunner
 from gateway.step_batch import StepBatcher, steps_sent
 from gateway.telemetry import RequestTelemetry
 from gateway.turns import TurnRecord, resumed_spec

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, TraceFlags
 
-from gateway.rounds import RoundResult
+from gateway.round_result import RoundResult
 from services.metrics import GatewayMetrics
 
 if TYPE_CHECKING:

@@ -26,7 +26,8 @@ from opentelemetry import metrics
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.server import DrafterServicer
 from gateway.replicas import Replica, ReplicaPool
-from gateway.rounds import RoundRunner, commit_round
+from gateway.round_result import commit_round
+from gateway.rounds import RoundRunner
 from gateway.streams import rpc_error
 from services.call_stream import CallAborted, CallContext
 from services.config import GatewayConfig, ServerConfig

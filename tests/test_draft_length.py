@@ -14,7 +14,7 @@ from gateway.draft_length import DraftLength
 from gateway.load_switch import LoadSwitch
 from gateway.replicas import Replica, ReplicaPool
 from gateway.requests import GenerationSpec
-from gateway.rounds import RoundResult
+from gateway.round_result import RoundResult
 from services.config import GatewayConfig, ServerConfig
 from services.params import SamplingParams
 from services.session_store import SessionHandle

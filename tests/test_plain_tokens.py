@@ -18,7 +18,7 @@ import torch
 
 from gateway.draft_length import DraftLength
 from gateway.replicas import fit_verify_step
-from gateway.rounds import RoundResult
+from gateway.round_result import RoundResult
 from services.config import GatewayConfig, ServerConfig
 from services.errors import InvalidArgument
 from services.hashing import token_hash
