@@ -244,7 +244,7 @@ class GenerationEngine:
 
     async def _free_caches(self, h: SessionHandle) -> None:
         """Releases a deleted session's caches on the replicas that hold them."""
-        for pool, address in ((self.verifiers, h.verifier), (self.drafters, h.drafter)):
+        for pool, address in ((self.verifiers, h.verifier.replica), (self.drafters, h.drafter.replica)):
             replica = pool.replicas.get(address)
             if replica is not None:
                 try:

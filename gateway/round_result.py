@@ -65,9 +65,9 @@ def commit_round(h: SessionHandle, r: RoundResult, kept: list[int]) -> None:
     as far as it matches what was kept; after a round of several tokens without drafts the
     verifier holds all but the last. The one place these cursors advance."""
     old = len(h.tokens)
-    h.verifier_len = old + min(r.num_accepted + len(r.more), len(kept))
+    h.verifier.length = old + min(r.num_accepted + len(r.more), len(kept))
     if r.drafter_tail is not None:
-        h.drafter_len = old + _common_prefix(r.drafter_tail, kept)
+        h.drafter.length = old + _common_prefix(r.drafter_tail, kept)
     h.tokens.extend(kept)
 
 

@@ -59,7 +59,7 @@ from services.messages import (
 )
 from services.params import SamplingParams
 from services.prefix_index import cached_tokens
-from services.session_store import SessionHandle
+from services.session_store import Cursor, SessionHandle
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +120,11 @@ class RoundRunner:
         round's branches meanwhile (``acceptance`` weighs their outcomes). A round without
         drafts asks the verifier for up to ``tokens`` tokens. Updates the handle's replica
         fields (who holds the caches) but not its tokens."""
-        if (self.config.lead_round and k and prefetch is None and not h.drafter_len
+        if (self.config.lead_round and k and prefetch is None and not h.drafter.length
                 and kind == "model"):
             return await self._lead(h, params, k, kind, seed, round_index, deadline, logprobs)
         old = len(h.tokens)
-        lag = old - min(h.drafter_len, old) if h.drafter else old  # tokens a draft must feed
+        lag = old - min(h.drafter.length, old) if h.drafter.replica else old  # tokens a draft must feed
         start = time.perf_counter()
         # Plan: the prepared branch that was committed, else a draft call.
         draft, outcome = None, ""
@@ -143,8 +143,8 @@ class RoundRunner:
         verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
                               deadline, logprobs, 1 if drafted is not None else tokens)
         ahead = None
-        if drafted is not None and self.config.pipeline and h.drafter:
-            valid = old if fresh else min(h.drafter_len, old)
+        if drafted is not None and self.config.pipeline and h.drafter.replica:
+            valid = old if fresh else min(h.drafter.length, old)
             ahead = asyncio.ensure_future(self._speculate(
                 h, params, drafted, valid, k, round_seed(seed, round_index + 1, "draft"),
                 acceptance, deadline))
@@ -232,7 +232,7 @@ class RoundRunner:
         drafter that holds the session (``valid`` of the committed tokens are in its cache).
         Any failure just means nothing is prepared: the next round drafts as usual.
         Returns (the cache, tokens the drafter holds after the call)."""
-        replica = self.drafters.replicas.get(h.drafter)
+        replica = self.drafters.replicas.get(h.drafter.replica)
         if (replica is None or replica.info is None or replica.info.kind != "model"
                 or k > replica.info.max_draft_tokens):
             return None, 0
@@ -269,7 +269,8 @@ class RoundRunner:
         cut short by the request's own deadline is the request's failure, not the replica's;
         a replica where the session stays busy (``clients.when_free``) is passed over, not
         marked down, and Busy is raised when no other one answered."""
-        holder, valid = getattr(h, role), getattr(h, f"{role}_len")
+        cursor: Cursor = h.verifier if role == "verifier" else h.drafter
+        holder, valid = cursor.replica, cursor.length
         tried: set[str] = set()
         busy: ReplicaFailed | None = None
         cached = await self._cached(pool, role, h, holder, kind)
@@ -297,7 +298,7 @@ class RoundRunner:
                 tried.add(replica.address)
                 continue
             pool.mark_ok(replica)
-            setattr(h, role, replica.address)
+            cursor.replica = replica.address
             return result
         if busy is not None:
             raise Busy(f"session {h.session_id} is still busy on {role} {busy.replica.address} "
@@ -342,7 +343,7 @@ class RoundRunner:
             result, why = None, "the session's earlier call still runs on its drafter"
         if result is None:
             log.warning("%s: session %s runs this round without drafts", why, h.session_id)
-            h.drafter, h.drafter_len = "", 0
+            h.drafter.reset()
         return result
 
     async def _verify(self, h: SessionHandle, params: SamplingParams,

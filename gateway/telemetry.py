@@ -70,8 +70,8 @@ class RequestTelemetry:
             "specmesh.round.first_rejection": (r.num_accepted if r.num_accepted < len(r.drafted)
                                                else -1),
             "specmesh.round.tokens": kept,
-            "specmesh.drafter": h.drafter if r.drafted else "",
-            "specmesh.verifier": h.verifier,
+            "specmesh.drafter": h.drafter.replica if r.drafted else "",
+            "specmesh.verifier": h.verifier.replica,
             "specmesh.round.draft_ms": r.draft_ms,
             "specmesh.round.verify_ms": r.verify_ms,
             "specmesh.round.network_ms": network,

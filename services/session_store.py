@@ -83,14 +83,27 @@ return 0
 
 
 @dataclass
+class Cursor:
+    """A session's cache in one tier: the replica that holds it and how many of the committed
+    tokens it holds (gpt-fast's ``input_pos``, vLLM's ``num_computed_tokens``). A call that
+    lands on a replica moves ``replica`` (gateway/rounds.py); a committed round advances
+    ``length`` (gateway/round_result.py ``commit_round``); ``reset`` when no replica of the
+    tier holds it any more, so the next call sends the whole prefix."""
+
+    replica: str = ""  # address; "" = none
+    length: int = 0
+
+    def reset(self) -> None:
+        self.replica, self.length = "", 0
+
+
+@dataclass
 class SessionHandle:
     session_id: str
     version: int
     tokens: list[int]
-    verifier: str = ""
-    verifier_len: int = 0
-    drafter: str = ""
-    drafter_len: int = 0
+    verifier: Cursor = field(default_factory=Cursor)
+    drafter: Cursor = field(default_factory=Cursor)
     target: str = ""
     keep: bool = False
     turn: dict = field(default_factory=dict)  # the current turn's record (gateway/turns.py)
@@ -207,8 +220,8 @@ class SessionStore:
             tokens = _unpack(data)
             handle = SessionHandle(
                 session_id=session_id, version=int(f["version"]), tokens=tokens,
-                verifier=f.get("verifier", ""), verifier_len=int(f.get("verifier_len", 0)),
-                drafter=f.get("drafter", ""), drafter_len=int(f.get("drafter_len", 0)),
+                verifier=Cursor(f.get("verifier", ""), int(f.get("verifier_len", 0))),
+                drafter=Cursor(f.get("drafter", ""), int(f.get("drafter_len", 0))),
                 target=f.get("target", ""), keep=f.get("keep") == "1",
                 turn=json.loads(f.get("turn") or "{}"), last_trace=f.get("trace", ""),
                 tenant=f.get("tenant", ""))
@@ -298,8 +311,8 @@ class SessionStore:
         now = f"{time.time():.3f}"
         fields = [  # committed_len first: _COMMIT reads it as ARGV[7]
             "committed_len", len(h.tokens), "committed_hash", h.prefix_hash(len(h.tokens)),
-            "verifier", h.verifier, "verifier_len", h.verifier_len,
-            "drafter", h.drafter, "drafter_len", h.drafter_len,
+            "verifier", h.verifier.replica, "verifier_len", h.verifier.length,
+            "drafter", h.drafter.replica, "drafter_len", h.drafter.length,
             "target", h.target, "keep", int(h.keep), "turn", json.dumps(h.turn),
             "trace", h.last_trace, "updated", now,
         ]

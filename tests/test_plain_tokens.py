@@ -57,7 +57,7 @@ def test_plain_rounds_give_the_targets_greedy_chain_and_keep_the_cursors_exact(t
     def check(before, committed_before, r, h):
         per_round.append(len(r.proposed))
         entry = harness.verifier.caches._entries["s1"]
-        assert h.verifier_len == len(h.tokens) - 1
+        assert h.verifier.length == len(h.tokens) - 1
         assert entry.tokens == h.tokens[:-1]
         assert entry.kv.get_seq_length() == len(entry.tokens)
 

@@ -113,13 +113,13 @@ def test_cursors_match_what_each_replica_holds_so_no_round_resyncs():
     harness = Harness(target, draft, pipeline=True, fanout=4)
 
     def check(before, committed_before, r, h):
-        for engine, held in ((harness.verifier, h.verifier_len), (harness.drafter, h.drafter_len)):
+        for engine, held in ((harness.verifier, h.verifier.length), (harness.drafter, h.drafter.length)):
             entry = engine.caches._entries["s1"]
             assert 0 < held <= len(h.tokens)
             assert entry.tokens[:held] == h.tokens[:held]
             assert entry.kv.get_seq_length() == len(entry.tokens)
         # the verifier keeps exactly the accepted prefix; the last token is fed next round
-        assert h.verifier_len == len(h.tokens) - 1
+        assert h.verifier.length == len(h.tokens) - 1
 
     _run(harness, 60, on_round=check)
     for engine in (harness.verifier, harness.drafter):

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from services.errors import Busy, NotFound, Unavailable
 from services.hashing import token_hash
-from services.session_store import SessionHandle, SessionStore
+from services.session_store import Cursor, SessionHandle, SessionStore
 from tests.conftest import start_redis
 
 TTL_S = 60
@@ -74,8 +74,8 @@ def new_id() -> str:
 def test_create_then_load_round_trips_everything(redis_server, prefix, sync):
     sid = new_id()
     tokens = [0, 1, 511, 2**31 - 1, 7, 7, 300]
-    original = handle(sid, tokens, verifier="127.0.0.1:5001", verifier_len=6,
-                      drafter="127.0.0.1:5002", drafter_len=5, target="fp-target", keep=True,
+    original = handle(sid, tokens, verifier=Cursor("127.0.0.1:5001", 6),
+                      drafter=Cursor("127.0.0.1:5002", 5), target="fp-target", keep=True,
                       turn={"temperature": 0.7, "top_k": 40, "seed": 12345,
                                 "stop": ["\n\n", "é"]})
 
@@ -92,6 +92,9 @@ def test_create_then_load_round_trips_everything(redis_server, prefix, sync):
     assert int(fields["committed_len"]) == len(tokens)
     assert int(fields["committed_hash"]) == token_hash(tokens)
     assert int(fields["version"]) == 1
+    # the cursors keep their Redis fields (a handle written before cursors still loads)
+    assert (fields["verifier"], fields["verifier_len"]) == ("127.0.0.1:5001", "6")
+    assert (fields["drafter"], fields["drafter_len"]) == ("127.0.0.1:5002", "5")
 
 
 def test_create_defaults_and_empty_tokens(redis_server, prefix):
@@ -103,7 +106,7 @@ def test_create_defaults_and_empty_tokens(redis_server, prefix):
 
     loaded = run(redis_server, prefix, body)
     assert loaded.tokens == [] and loaded.keep is False and loaded.turn == {}
-    assert loaded.verifier == "" and loaded.verifier_len == 0
+    assert loaded.verifier == Cursor() == loaded.drafter
 
 
 def test_create_existing_session_is_refused_and_keeps_the_original(redis_server, prefix):
@@ -153,8 +156,8 @@ def test_commit_appends_tokens_and_bumps_version(redis_server, prefix, sync):
         await store.create(h)
         await store.acquire(sid, "owner-1")
         h.tokens += [13, 14]
-        h.verifier_len = 4
-        h.drafter = "d:1"
+        h.verifier.length = 4
+        h.drafter.replica = "d:1"
         await store.commit(h, [13, 14], "owner-1")
         assert h.version == 2
         first = await store.load(sid)
@@ -168,7 +171,7 @@ def test_commit_appends_tokens_and_bumps_version(redis_server, prefix, sync):
 
     first, second, third = run(redis_server, prefix, body)
     assert first.tokens == [10, 11, 12, 13, 14] and first.version == 2
-    assert first.verifier_len == 4 and first.drafter == "d:1"
+    assert first.verifier == Cursor("", 4) and first.drafter == Cursor("d:1", 0)
     assert second.tokens == [10, 11, 12, 13, 14, 15] and second.version == 3
     assert third.tokens == second.tokens and third.version == 4
     fields = {k.decode(): v.decode() for k, v in sync.hgetall(prefix + sid).items()}
