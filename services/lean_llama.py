@@ -46,6 +46,8 @@ from services.config import FORWARD_MODES
 from services.kv_slab import KVPool, SlabCache
 
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
+POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
+POOL_PAD = 512  # padded positions the longest row may add to the others' before it goes alone
 POOL_SEGMENT = 16  # slots allocated together
 POOL_MAX_SLOTS = 256  # a replica lowers it to its --max-sessions and --kv-budget-mb
 POOL_MEMORY_SHARE = 0.5  # of an accelerator's memory free after the weights, at most
@@ -71,8 +73,6 @@ def _free_memory(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.mem_get_info(device)[0]
-POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
-POOL_PAD = 512  # padded positions the longest row may add to the others' before it goes alone
 
 
 def unsupported_reason(model) -> str:
