@@ -213,6 +213,35 @@ def cost_cells(x: dict) -> list[str]:
             fmt(_pct(x["cache_hit"]), ".0f", "%")]
 
 
+REPLICA_COLUMNS = ("mode", "concurrency", "verifier passes", "verifier ms/pass",
+                   "verifier busy", "drafter passes", "drafter ms/pass", "drafter busy")
+REPLICA_NOTE = ("Per cell, from the replicas' GetStats deltas: a tier's forward passes, its "
+                "model compute per pass (the step's jobs included), and busy = model compute "
+                "/ the cell's wall time: a tier near 100% is what limits the cell.")
+
+
+def replica_figures(row: dict) -> dict | None:
+    """What each model tier did in a mesh row's cell (None for HF and peer rows): passes, ms
+    per pass and busy share (model compute over the wall time)."""
+    services = row.get("services") or {}
+    if not services.get("verifier") or not row.get("wall_s"):
+        return None
+    out = {}
+    for tier, key in (("verifier", "verifier"), ("drafter", "drafter_model")):
+        stats = services.get(key) or {}
+        passes, ms = stats.get("forward_passes") or 0, stats.get("forward_ms") or 0.0
+        out[tier] = {"passes": passes, "ms_per_pass": ms / passes if passes else None,
+                     "busy": ms / 1000 / row["wall_s"]}
+    return out
+
+
+def replica_cells(row: dict, figures: dict) -> list[str]:
+    v, d = figures["verifier"], figures["drafter"]
+    return [row["label"], str(row["concurrency"]), str(v["passes"]), fmt(v["ms_per_pass"]),
+            fmt(_pct(v["busy"]), ".0f", "%"), str(d["passes"]),
+            fmt(d["ms_per_pass"]), fmt(_pct(d["busy"]), ".0f", "%")]
+
+
 def baseline_lines(report: dict) -> list[str]:
     """The speedup base and the serving path's overhead, in words."""
     b = report["baselines"]
@@ -269,6 +298,10 @@ def markdown(report: dict) -> str:
               "bound; overhead = round time − draft compute − verify compute; cache hit = "
               "rounds whose draft was ready and used / rounds.", ""]
     lines += _md_table(COST_COLUMNS, [cost_cells(x) for x in report["costs"]]) + [""]
+    tiers = [(r, f) for r in report["rows"] if (f := replica_figures(r)) is not None]
+    if tiers:
+        lines += ["## Replicas (every cell)", "", REPLICA_NOTE, "",
+                  *_md_table(REPLICA_COLUMNS, [replica_cells(r, f) for r, f in tiers]), ""]
     lines += ["## Targets (issue #14)", "",
               *_md_table(["mode", "target", "threshold", "measured", "pass"],
                          [target_cells(t, labels) for t in report["targets"]], left=2)]

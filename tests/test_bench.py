@@ -326,6 +326,17 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
 
     md = (out / "bench.md").read_text()
     assert "| mode | concurrency | tokens/s |" in md
+    # the replicas' table: every mesh cell, its verifier's model compute within the wall time
+    replicas = md[md.index("## Replicas (every cell)"):md.index("## Targets")]
+    for r in report["rows"]:
+        if r["mode"] in hf_modes:
+            assert r["label"] + " | " + str(r["concurrency"]) + " |" not in replicas
+            continue
+        v = r["services"]["verifier"]
+        busy = v["forward_ms"] / 1000 / r["wall_s"]
+        assert 0 < busy <= 1.0 + 1e-6  # one model thread: its passes fit in the cell
+        assert (f"| {r['label']} | {r['concurrency']} | {v['forward_passes']} | "
+                f"{v['forward_ms'] / v['forward_passes']:.2f} | {busy * 100:.0f}% |") in replicas
     assert "| cache hit | fan-out | gateway ms/round | prefix hit | CPU ms/token |" in md
     assert "Speedup base: HF generate (plain, no assistant), concurrency 1." in md
     for r in report["rows"]:
