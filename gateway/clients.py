@@ -38,6 +38,11 @@ class ReplicaFailed(Exception):
         self.code = code
 
 
+def busy(exc: ReplicaFailed) -> bool:
+    """The replica answered ABORTED: the session is busy there with another call."""
+    return exc.code == grpc.StatusCode.ABORTED
+
+
 T = TypeVar("T")
 BUSY_WAIT_S = 2.0  # how long a call waits, in all, for a session busy on a replica
 
@@ -57,7 +62,7 @@ async def when_free(call: Callable[[], Awaitable[T]], left: Callable[[], float |
             return await call()
         except ReplicaFailed as exc:
             remaining = left()
-            if exc.code != grpc.StatusCode.ABORTED or waited + wait > BUSY_WAIT_S or (
+            if not busy(exc) or waited + wait > BUSY_WAIT_S or (
                     remaining is not None and remaining < wait):
                 raise
         await asyncio.sleep(wait)

@@ -283,7 +283,7 @@ class RoundRunner:
                 except ResyncRequired:
                     result = await clients.when_free(partial(call, replica, 0), deadline)
             except (ReplicaFailed, ResyncRequired) as exc:
-                if isinstance(exc, ReplicaFailed) and exc.code == grpc.StatusCode.ABORTED:
+                if isinstance(exc, ReplicaFailed) and clients.busy(exc):
                     busy = exc  # still busy after clients.when_free: not the replica's fault
                     tried.add(replica.address)
                     continue

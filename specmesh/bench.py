@@ -269,6 +269,7 @@ def bench(
         raise typer.BadParameter(f"--concurrency: {exc}") from exc
     if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
         raise typer.BadParameter("--concurrency takes distinct positive integers, e.g. 1,4,8")
+    drafter_device = drafter_device or device
     if bool(target) != bool(drafter):
         raise typer.BadParameter("give both --target and --drafter, or neither")
     keys = [x for x in keys if not (no_hf and x in HF_KEYS)]
@@ -296,13 +297,15 @@ def bench(
             probe = ServiceProbe(_split(verifiers), _split(drafters), metrics_url)
         else:
             metrics_port = free_port()
-            service_args = ("--threads", str(threads), "--device", device)
-            drafter_args = ("--threads", str(threads), "--device", drafter_device or device)
+            def service_args(on: str) -> tuple[str, ...]:
+                return ("--threads", str(threads), "--device", on)
+
             mesh = start_mesh(MeshSpec(
                 target=target, draft=drafter, port=free_port(), drafters=1,
                 ngram_drafters=int("ngram" in keys), log_dir=out / "logs",
                 extra_gateway_args=("--metrics-port", str(metrics_port)),
-                extra_verifier_args=service_args, extra_drafter_args=drafter_args))
+                extra_verifier_args=service_args(device),
+                extra_drafter_args=service_args(drafter_device)))
             addr = mesh.gateway_address
             probe = ServiceProbe(mesh.verifier_addresses, mesh.drafter_addresses,
                                  f"http://127.0.0.1:{metrics_port}/metrics")
@@ -331,7 +334,7 @@ def bench(
                      "repeat": repeat,
                      "modes": keys, "threads": threads,
                      "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
-                     "drafter_device": drafter_device or device,
+                     "drafter_device": drafter_device,
                      "seed": seed, "shared_prefix_tokens": prefix_tokens,
                      "address": address,
                      "peers": [{"name": p.name, "url": p.url, "model": m} for p, m in peers],

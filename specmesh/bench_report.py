@@ -230,8 +230,8 @@ def replica_figures(row: dict) -> dict | None:
     for tier, key in (("verifier", "verifier"), ("drafter", "drafter_model")):
         stats = services.get(key) or {}
         passes, ms = stats.get("forward_passes") or 0, stats.get("forward_ms") or 0.0
-        out[tier] = {"passes": passes, "ms_per_pass": ms / passes if passes else None,
-                     "busy": ms / 1000 / row["wall_s"]}
+        out[tier] = {"passes": passes, "ms_per_pass": ratio(ms, passes),
+                     "busy": ratio(ms / 1000, row["wall_s"])}
     return out
 
 
