@@ -20,6 +20,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def device_problem(name: str) -> str:
+    """Why the device ``name`` (auto, cpu or cuda[:N]) cannot hold a model on this machine,
+    "" when it can: a service or bench asked for CUDA where PyTorch has none would otherwise
+    die with a traceback while loading its model."""
+    if not name.startswith("cuda"):
+        return ""
+    try:
+        index = torch.device(name).index
+    except RuntimeError:
+        return f"{name!r} is not a device: use auto, cpu or cuda[:N]"
+    if not torch.cuda.is_available():
+        return f"{name}: this PyTorch sees no CUDA device; use auto or cpu"
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        return f"{name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}"
+    return ""
+
+
 def load_causal_lm(path: str, device: torch.device, dtype: str = "float32") -> torch.nn.Module:
     """Loads a causal LM by hub name or local path, in eval mode without gradients."""
     from transformers import AutoModelForCausalLM

@@ -270,6 +270,11 @@ def bench(
     if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
         raise typer.BadParameter("--concurrency takes distinct positive integers, e.g. 1,4,8")
     drafter_device = drafter_device or device
+    from services.models import device_problem
+
+    for option, value in (("--device", device), ("--drafter-device", drafter_device)):
+        if problem := device_problem(value):
+            raise typer.BadParameter(problem, param_hint=f"'{option}'")
     if bool(target) != bool(drafter):
         raise typer.BadParameter("give both --target and --drafter, or neither")
     keys = [x for x in keys if not (no_hf and x in HF_KEYS)]

@@ -67,6 +67,10 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                                     prefill_threads=prefill_threads)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    from services.models import device_problem
+
+    if problem := device_problem(device):
+        raise typer.BadParameter(problem, param_hint="'--device'")
     if kind == "drafter":
         from drafter_svc.server import run
     else:

@@ -32,6 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
     (["up", "--verifiers", "0"], "--verifiers"),
     (["up", "--metrics-port", "65534"], "--metrics-port"),
     (["verifier", "--model", "./no/such/model"], "./no/such/model"),
+    # a CUDA device this machine does not have (no CUDA here; no machine has 100 GPUs)
+    (["verifier", "--model", str(ROOT / "models/demo-target"), "--device", "cuda:99"],
+     "--device"),
+    (["drafter", "--model", str(ROOT / "models/demo-drafter"), "--device", "cuda:99"],
+     "--device"),
+    (["bench", "--drafter-device", "cuda:99", "--no-hf"], "--drafter-device"),
     (["gateway", "--redis", "redis://x", "--parent-pid", "-1"], "--parent-pid"),
     (["generate", "x", "--no-such-option"], "--no-such-option"),
 ])
