@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class DraftLength:
     """One per gateway; ``req`` is the engine's per-request state (spec, handle, generated,
-    adaptive, last_round)."""
+    and rounds: gateway/session_rounds.py, whose adaptive k and last round it reads)."""
 
     def __init__(self, config: GatewayConfig, limits, drafters: ReplicaPool,
                  inflight: Callable[[], int],
@@ -99,11 +99,12 @@ class DraftLength:
             # (gateway/load_switch.py): one request's round times cannot tell.
             k = only if self._switch(kind, req).mode(self._clock()) else 0
         elif not k or only:
-            if req.adaptive is None:
-                req.adaptive = AdaptiveK(self._costs(kind, req), self.config.max_adaptive_k,
-                                         only=only)
-            req.adaptive.costs = self._costs(kind, req)  # load and context may have changed
-            k = req.adaptive.next_k()
+            rounds = req.rounds
+            if rounds.adaptive is None:
+                rounds.adaptive = AdaptiveK(self._costs(kind, req), self.config.max_adaptive_k,
+                                            only=only)
+            rounds.adaptive.costs = self._costs(kind, req)  # load and context may have changed
+            k = rounds.adaptive.next_k()
         room = self.limits.max_context - len(req.handle.tokens) - 1
         return max(0, min(k, self.limits.max_draft_tokens, spec.max_new_tokens - req.generated - 1,
                           room))
@@ -120,13 +121,13 @@ class DraftLength:
             self._costs(kind, req).observe(
                 k, r.draft_ms, r.verify_ms - (r.verify_compute_ms - per_pass),
                 r.draft_compute_ms, per_pass)
-        if req.adaptive is None:  # (an adaptive k feeds the shared counts itself)
+        if req.rounds.adaptive is None:  # (an adaptive k feeds the shared counts itself)
             self.acceptance_of(kind).observe(k, r.num_accepted)
         else:
-            req.adaptive.observe(k, r.num_accepted)
+            req.rounds.adaptive.observe(k, r.num_accepted)
             log.debug("session %s: k=%d accepted=%d pipeline=%s alpha=%.2f costs=%s",
                       req.handle.session_id, k, r.num_accepted, r.pipeline or "-",
-                      req.adaptive.alpha, self._costs(kind, req))
+                      req.rounds.adaptive.alpha, self._costs(kind, req))
 
     def _costs(self, kind: str, req) -> CostModel:
         """The cost model of ``kind`` at the gateway's current load and the request's
@@ -205,9 +206,9 @@ class DraftLength:
         """The previous round's whole cycle (its calls, the gateway's commit and streaming,
         what pipelining hid), measured from its start to this round's: what the adaptive k
         weighs against tokens per round, and under load the switch against the tokens."""
-        if req.last_round is None or not req.last_round[1].warm:  # (a prefill is slow)
+        if req.rounds.last is None or not req.rounds.last[1].warm:  # (a prefill is slow)
             return
-        started, r = req.last_round
+        started, r = req.rounds.last
         if load_level(self._inflight()) > 0:
             self._switch(kind, req).observe(started, now - started, len(r.proposed), r.cut)
         self._costs(kind, req).observe_cycle(len(r.drafted),

@@ -21,18 +21,18 @@ from opentelemetry import metrics as metrics_api
 from opentelemetry import trace
 
 from gateway import clients
-from gateway.adaptive import AdaptiveK
 from gateway.chunks import Chunk, Finish, TargetLimits, Usage
 from gateway.clients import ReplicaFailed
 from gateway.commits import CommitBatcher
-from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.draft_length import DraftLength
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
-from gateway.round_result import RoundResult, SpecCache, commit_round
-from gateway.rounds import RoundRunner
+from gateway.round_result import RoundResult
+from gateway.rounds import RoundPlan, RoundRunner
+from gateway.session_rounds import SessionRounds
 from gateway.step_batch import StepBatcher, steps_sent
 from gateway.telemetry import RequestTelemetry
+from gateway.turn_text import TurnText
 from gateway.turns import TurnRecord, resumed_spec
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, PermissionDenied, Unavailable
@@ -51,7 +51,7 @@ _START_ONE = {"ngram": ": start one (`specmesh drafter --kind ngram`, listed in 
 @dataclass
 class _Request:
     spec: GenerationSpec
-    handle: SessionHandle
+    rounds: SessionRounds  # the session's tokens, cursors and round state
     owner: str
     seed: int
     deadline: Callable[[], float | None]
@@ -60,10 +60,11 @@ class _Request:
     generated: int = 0
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
-    adaptive: AdaptiveK | None = None  # None: a fixed k
     pending: int = 0  # the last tokens of handle.tokens not yet in Redis (it was unreachable)
-    prefetch: SpecCache | None = None  # drafts prepared for the next round
-    last_round: tuple[float, RoundResult] | None = None  # its start time and result
+
+    @property
+    def handle(self) -> SessionHandle:
+        return self.rounds.handle
 
 
 class GenerationEngine:
@@ -183,8 +184,8 @@ class GenerationEngine:
                                    tenant=tenant or "", turn=turn.to_dict())
             await self.store.acquire(handle.session_id, owner)
             await self.store.create(handle)
-        req = _Request(spec=spec, handle=handle, owner=owner, seed=seed, deadline=deadline,
-                       turn=turn)
+        req = _Request(spec=spec, rounds=SessionRounds(handle), owner=owner, seed=seed,
+                       deadline=deadline, turn=turn)
         req.usage.prompt_tokens = len(prompt)
         return req
 
@@ -205,8 +206,8 @@ class GenerationEngine:
     def _resumed_request(spec: GenerationSpec, h: SessionHandle, owner: str, turn: TurnRecord,
                          deadline) -> _Request:
         """The request a resume continues, with its progress so far (round index, usage)."""
-        req = _Request(spec=spec, handle=h, owner=owner, seed=turn.seed, deadline=deadline,
-                       turn=turn)
+        req = _Request(spec=spec, rounds=SessionRounds(h, index=turn.rounds), owner=owner,
+                       seed=turn.seed, deadline=deadline, turn=turn)
         req.generated = len(h.tokens) - turn.start
         req.usage = Usage(prompt_tokens=turn.prompt_tokens, completion_tokens=req.generated,
                           rounds=turn.rounds, draft_tokens=turn.draft_tokens,
@@ -254,31 +255,26 @@ class GenerationEngine:
 
     # ----- rounds ------------------------------------------------------------------------
 
-    def _resume_chunk(self, req: _Request, detok: IncrementalDetokenizer,
-                      stop: StopMatcher) -> Chunk:
+    @staticmethod
+    def _resume_chunk(req: _Request, text: TurnText) -> Chunk:
         """The tokens a cut stream's client has not received (committed from resume_from on)
         and their text, replayed through the turn's detokenizer and stop matcher so that the
         text equals the uninterrupted stream's (a suffix held back before the cut included);
         the last chunk (finish, usage) when the turn had already ended."""
         h, start, turn = req.handle, req.spec.resume_from, req.turn
-        for token in h.tokens[turn.start:start]:  # what the client has: replayed, not sent
-            self._text_of(token, detok, stop)
-        text = "".join(self._text_of(token, detok, stop)[0] for token in h.tokens[start:])
-        finish = Finish[turn.finish] if turn.finish else None
-        if finish is not None:
-            tail, finish = self._final_text(detok, stop, finish)
-            text += tail
-        return Chunk(text=text, token_ids=h.tokens[start:], session_id=h.session_id,
+        shown, finish = text.replay(h.tokens[turn.start:start], h.tokens[start:],
+                                    Finish[turn.finish] if turn.finish else None)
+        return Chunk(text=shown, token_ids=h.tokens[start:], session_id=h.session_id,
                      offset=start, finish=finish, usage=req.usage if finish else None)
 
     async def _stream(self, req: _Request, span: trace.Span) -> AsyncIterator[Chunk]:
         spec, h = req.spec, req.handle
-        detok = IncrementalDetokenizer(self.tokenizer, h.tokens[:req.turn.start])
-        stop = StopMatcher(list(spec.stop))
+        text = TurnText(self.tokenizer, h.tokens[:req.turn.start], spec.stop,
+                        self.limits.eos_token_ids)
         kind = self.k.kind(spec)
         finish: Finish | None = None
         if spec.resume_from:
-            chunk = self._resume_chunk(req, detok, stop)
+            chunk = self._resume_chunk(req, text)
             yield chunk
             if chunk.finish is not None:
                 return
@@ -299,23 +295,25 @@ class GenerationEngine:
                 if running is None:  # the context is full
                     finish = Finish.CONTEXT
                     self.telemetry.record_finish(span, req, finish)
-                    yield Chunk(text=stop.flush(), token_ids=[], session_id=h.session_id,
+                    yield Chunk(text=text.flush(), token_ids=[], session_id=h.session_id,
                                 finish=finish, usage=req.usage, offset=len(h.tokens))
                     return
                 r, start, round_span = await running
                 running = None
                 with trace.use_span(round_span, end_on_exit=True):
-                    req.prefetch = r.prefetch
                     self.k.learn(req, kind, r)
-                    req.last_round = (start, r)
-                    kept, text, finish = self._accept(req, r.proposed, detok, stop)
+                    kept, shown, finish = text.accept(
+                        r.proposed, spec.max_new_tokens - req.generated,
+                        self.limits.max_context - len(h.tokens))
+                    req.generated += len(kept)
+                    req.rounds.advance(r, kept, start)
                     self._commit_counts(req, r, kept, finish)
                     self.telemetry.record_round(round_span, req, r, len(kept),
                                                 time.perf_counter() - start)
                 if finish is not None:
                     self.verifiers.forget(h.session_id)  # no step waits for its next call
                     self.telemetry.record_finish(span, req, finish)
-                held = Chunk(text=text, token_ids=kept, session_id=h.session_id, finish=finish,
+                held = Chunk(text=shown, token_ids=kept, session_id=h.session_id, finish=finish,
                              usage=req.usage if finish else None,
                              offset=len(h.tokens) - len(kept), logprobs=r.logprobs[:len(kept)])
                 if finish is None and len(h.tokens) < self.limits.max_context:
@@ -341,10 +339,10 @@ class GenerationEngine:
         round_span = self.telemetry.round_span(span, req, k)
         try:
             with trace.use_span(round_span):
-                r = await self.rounds.run(req.handle, req.spec.params, k, kind, req.seed,
-                                          req.usage.rounds, req.deadline, req.prefetch,
-                                          self.k.acceptance_of(kind).alpha(0.7), req.spec.logprobs,
-                                          self._plain_tokens(req))
+                plan = RoundPlan(req.spec.params, k, kind, req.seed,
+                                 acceptance=self.k.acceptance_of(kind).alpha(0.7),
+                                 logprobs=req.spec.logprobs, tokens=self._plain_tokens(req))
+                r = await self.rounds.run(req.rounds, plan, req.deadline)
         except BaseException:
             round_span.end()
             raise
@@ -357,7 +355,7 @@ class GenerationEngine:
         round gets depends on the other calls of its step (fit_verify_step), and a seed must
         reproduce whatever else runs."""
         seeded = req.spec.seed is not None and not req.spec.params.greedy
-        if req.last_round is None or seeded:
+        if req.rounds.last is None or seeded:
             return 1
         return max(1, min(self.config.plain_tokens, req.spec.max_new_tokens - req.generated,
                           self.limits.max_context - len(req.handle.tokens)))
@@ -392,55 +390,11 @@ class GenerationEngine:
             await asyncio.sleep(max(0.0, min(delay, give_up - time.monotonic())))
             delay = min(2 * delay, 0.5)
 
-    def _accept(self, req: _Request, proposed: list[int], detok: IncrementalDetokenizer,
-                stop: StopMatcher) -> tuple[list[int], str, Finish | None]:
-        """Keeps the round's tokens up to EOS, a stop string or max_new_tokens."""
-        kept: list[int] = []
-        text = ""
-        finish = None
-        for token in proposed:
-            kept.append(token)
-            req.generated += 1
-            if token in self.limits.eos_token_ids:
-                finish = Finish.EOS
-                break
-            piece, stopped = self._text_of(token, detok, stop)
-            text += piece
-            if stopped:
-                finish = Finish.STOP
-                break
-            if req.generated >= req.spec.max_new_tokens:
-                finish = Finish.LENGTH
-                break
-        if finish is None and len(req.handle.tokens) + len(kept) >= self.limits.max_context:
-            finish = Finish.CONTEXT
-        if finish is not None:
-            tail, finish = self._final_text(detok, stop, finish)
-            text += tail
-        return kept, text, finish
-
-    def _text_of(self, token: int, detok: IncrementalDetokenizer,
-                 stop: StopMatcher) -> tuple[str, bool]:
-        """A generated token's text as the stream shows it (EOS shows none): (text, stopped)."""
-        if token in self.limits.eos_token_ids:
-            return "", False
-        return stop.feed(detok.push([token]))
-
-    @staticmethod
-    def _final_text(detok: IncrementalDetokenizer, stop: StopMatcher,
-                    finish: Finish) -> tuple[str, Finish]:
-        """The text still held back when a turn ends, and the finish (a stop string may
-        complete in the detokenizer's last bytes)."""
-        if finish is Finish.STOP:
-            return "", finish
-        tail, stopped = stop.feed(detok.flush())
-        return (tail, Finish.STOP) if stopped else (tail + stop.flush(), finish)
-
     def _commit_counts(self, req: _Request, r: RoundResult, kept: list[int],
                        finish: Finish | None) -> None:
-        """Appends ``kept`` to the handle and records how much of it each replica holds."""
-        commit_round(req.handle, r, kept)
-        req.usage.rounds += 1
+        """Counts the round, whose ``kept`` tokens were committed to the handle, in the
+        request's usage and the turn's record (saved with the commit)."""
+        req.usage.rounds = req.rounds.index
         req.usage.draft_tokens += len(r.drafted)
         req.usage.accepted_draft_tokens += r.num_accepted
         req.usage.completion_tokens = req.generated

@@ -1,13 +1,12 @@
-"""What a round yields and how it moves a session: the round's result, the drafts it
-prepared for the next round (the speculation cache, gateway/rounds.py), and the one function
-that commits a round's tokens to the session handle and advances each replica's cursor."""
+"""What a round yields: the round's result and the drafts it prepared for the next round
+(the speculation cache, gateway/rounds.py). How a result moves the session:
+gateway/session_rounds.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from services.messages import DraftResult, TokenLogprobs
-from services.session_store import SessionHandle
 
 
 @dataclass(frozen=True)
@@ -56,25 +55,3 @@ class RoundResult:
         its calls for one token (gateway/replicas.py ``fit_verify_step``)."""
         return not self.drafted and 1 + len(self.more) < self.asked
 
-
-def commit_round(h: SessionHandle, r: RoundResult, kept: list[int]) -> None:
-    """Appends the round's ``kept`` tokens (its proposed ones, possibly cut by a stop) to the
-    handle and moves each replica's cursor: how many committed tokens its cache holds. The
-    verifier holds the old tokens and the accepted drafts; the drafter the old tokens and its
-    tail (the drafts, and after a speculation call its guess and the next drafts), each valid
-    as far as it matches what was kept; after a round of several tokens without drafts the
-    verifier holds all but the last. The one place these cursors advance."""
-    old = len(h.tokens)
-    h.verifier.length = old + min(r.num_accepted + len(r.more), len(kept))
-    if r.drafter_tail is not None:
-        h.drafter.length = old + _common_prefix(r.drafter_tail, kept)
-    h.tokens.extend(kept)
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

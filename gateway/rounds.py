@@ -47,6 +47,7 @@ from gateway import clients
 from gateway.clients import ReplicaFailed
 from gateway.replicas import ReplicaPool
 from gateway.round_result import RoundResult, SpecCache
+from gateway.session_rounds import SessionRounds
 from services.config import GatewayConfig
 from services.errors import Busy, DeadlineExceeded, ResyncRequired, Unavailable
 from services.messages import (
@@ -98,6 +99,19 @@ def fanout_share(fanout: int, busy: int, requests: int = 1, max_requests: int = 
     return fanout if busy == 0 and requests <= max_requests else 0
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """What the round loop chose for one round (gateway/engine.py)."""
+
+    params: SamplingParams
+    k: int  # drafts to verify (0: none)
+    kind: str  # the drafter kind that drafts them
+    seed: int  # the request's seed (each round draws its own from it and the round index)
+    acceptance: float = 0.7  # the expected acceptance, which weighs the speculation tree
+    logprobs: int = -1  # top log-probabilities per token (-1: none)
+    tokens: int = 1  # what a round without drafts asks the verifier for
+
+
 class RoundRunner:
     def __init__(self, config: GatewayConfig, drafters: ReplicaPool,
                  verifiers: ReplicaPool, requests: Callable[[], int] = lambda: 1,
@@ -110,16 +124,18 @@ class RoundRunner:
         self._requests = requests
         self._index = index
 
-    async def run(self, h: SessionHandle, params: SamplingParams, k: int, kind: str, seed: int,
-                  round_index: int, deadline: Callable[[], float | None],
-                  prefetch: SpecCache | None = None, acceptance: float = 0.7,
-                  logprobs: int = -1, tokens: int = 1) -> RoundResult:
-        """Takes round ``round_index``'s k drafts from ``prefetch`` when it holds the branch
-        that was committed, else drafts them with a drafter of ``kind`` (k = 0: none), and
-        verifies them for session ``h``; with the speculation cache on, drafts the next
-        round's branches meanwhile (``acceptance`` weighs their outcomes). A round without
-        drafts asks the verifier for up to ``tokens`` tokens. Updates the handle's replica
-        fields (who holds the caches) but not its tokens."""
+    async def run(self, s: SessionRounds, plan: RoundPlan,
+                  deadline: Callable[[], float | None]) -> RoundResult:
+        """Round ``s.index`` of session ``s``: takes its k drafts from ``s.prefetch`` when
+        that holds the branch that was committed, else drafts them with a drafter of
+        ``plan.kind`` (k = 0: none), and verifies them; with the speculation cache on,
+        drafts the next round's branches meanwhile (``plan.acceptance`` weighs their
+        outcomes). A round without drafts asks the verifier for up to ``plan.tokens``
+        tokens. Moves the cursors' replicas (who holds the caches), not the tokens: the
+        caller commits the result (``SessionRounds.advance``)."""
+        h, params, k, kind = s.handle, plan.params, plan.k, plan.kind
+        seed, round_index, prefetch = plan.seed, s.index, s.prefetch
+        acceptance, logprobs, tokens = plan.acceptance, plan.logprobs, plan.tokens
         if (self.config.lead_round and k and prefetch is None and not h.drafter.length
                 and kind == "model"):
             return await self._lead(h, params, k, kind, seed, round_index, deadline, logprobs)

@@ -58,7 +58,7 @@ class RequestTelemetry:
             return NonRecordingSpan(parent.get_span_context())
         return self.tracer.start_span(
             "specmesh.round", context=trace.set_span_in_context(parent),
-            attributes={"specmesh.round.index": req.usage.rounds, "specmesh.round.k": k})
+            attributes={"specmesh.round.index": req.rounds.index, "specmesh.round.k": k})
 
     def record_round(self, span: trace.Span, req: _Request, r: RoundResult, kept: int,
                       seconds: float) -> None:

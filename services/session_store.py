@@ -87,11 +87,17 @@ class Cursor:
     """A session's cache in one tier: the replica that holds it and how many of the committed
     tokens it holds (gpt-fast's ``input_pos``, vLLM's ``num_computed_tokens``). A call that
     lands on a replica moves ``replica`` (gateway/rounds.py); a committed round advances
-    ``length`` (gateway/round_result.py ``commit_round``); ``reset`` when no replica of the
-    tier holds it any more, so the next call sends the whole prefix."""
+    ``length`` (gateway/session_rounds.py ``SessionRounds.advance``); ``reset`` when no
+    replica of the tier holds it any more, so the next call sends the whole prefix."""
 
     replica: str = ""  # address; "" = none
     length: int = 0
+
+    def advance(self, length: int) -> None:
+        """The replica's cache now holds the first ``length`` committed tokens."""
+        if length < 0:
+            raise ValueError(f"a cache holds 0 or more tokens, not {length}")
+        self.length = length
 
     def reset(self) -> None:
         self.replica, self.length = "", 0

@@ -26,8 +26,8 @@ from opentelemetry import metrics
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.server import DrafterServicer
 from gateway.replicas import Replica, ReplicaPool
-from gateway.round_result import commit_round
-from gateway.rounds import RoundRunner
+from gateway.rounds import RoundPlan, RoundRunner
+from gateway.session_rounds import SessionRounds
 from gateway.streams import rpc_error
 from services.call_stream import CallAborted, CallContext
 from services.config import GatewayConfig, ServerConfig
@@ -176,17 +176,16 @@ class Harness:
         """Runs rounds until ``n`` tokens are committed (the last round may overshoot; the
         caller compares the first n), as the engine does; returns the handle and rounds.
         ``tokens``: what a round without drafts asks for."""
-        h = SessionHandle(session_id="s1", version=1, tokens=list(prompt))
-        prefetch, rounds = None, []
-        while len(h.tokens) - len(prompt) < n:
-            before = prefetch
-            r = await self.runner.run(h, params, k, "model", seed, len(rounds), lambda: None,
-                                      prefetch, 0.8, tokens=tokens)
-            kept = r.proposed
-            committed_before = list(h.tokens)
-            commit_round(h, r, kept)
+        s = SessionRounds(SessionHandle(session_id="s1", version=1, tokens=list(prompt)))
+        rounds = []
+        while len(s.tokens) - len(prompt) < n:
+            before = s.prefetch
+            r = await self.runner.run(
+                s, RoundPlan(params, k, "model", seed, acceptance=0.8, tokens=tokens),
+                lambda: None)
+            committed_before = list(s.tokens)
+            s.advance(r, r.proposed, 0.0)
             if on_round is not None:
-                on_round(before, committed_before, r, h)
-            prefetch = r.prefetch
+                on_round(before, committed_before, r, s.handle)
             rounds.append(r)
-        return h, rounds
+        return s.handle, rounds

@@ -15,6 +15,7 @@ from gateway.load_switch import LoadSwitch
 from gateway.replicas import Replica, ReplicaPool
 from gateway.requests import GenerationSpec
 from gateway.round_result import RoundResult
+from gateway.session_rounds import SessionRounds
 from services.config import GatewayConfig, ServerConfig
 from services.params import SamplingParams
 from services.session_store import SessionHandle
@@ -31,8 +32,10 @@ class _Req:
     spec: GenerationSpec
     handle: SessionHandle
     generated: int = 0
-    adaptive: object = None
-    last_round: tuple[float, RoundResult] | None = None
+    rounds: SessionRounds = None  # the handle's, as the engine's request holds it
+
+    def __post_init__(self) -> None:
+        self.rounds = SessionRounds(self.handle)
 
 
 def _draft_length(inflight, clock=None, **config) -> DraftLength:
@@ -71,7 +74,7 @@ def _rounds(dl: DraftLength, req: _Req, alpha: float, cycle_ms, rounds: int,
                         extra_token=3, draft_ms=1.0 if k else 0.0, verify_ms=8.0,
                         draft_compute_ms=0.5 if k else 0.0, verify_compute_ms=7.0)
         dl.learn(req, "model", r)
-        req.last_round = (now[0], r)
+        req.rounds.last = (now[0], r)
         now[0] += cycle_ms(k) / 1000.0
         ks.append(k)
     return ks
@@ -153,7 +156,7 @@ def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 
                         extra_token=3, draft_ms=0.0, verify_ms=8.0, draft_compute_ms=0.0,
                         verify_compute_ms=7.0, more=more, asked=1 if k else plain_tokens)
         dl.learn(reqs[i], "model", r)
-        reqs[i].last_round = (now[0], r)
+        reqs[i].rounds.last = (now[0], r)
         share = sum(1 for j in ks if j) / streams
         due[i] = now[0] + (plain_ms + share * (spec_ms - plain_ms)) / 1000.0
         log.append((now[0], k))

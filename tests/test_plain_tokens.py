@@ -19,6 +19,7 @@ import torch
 from gateway.draft_length import DraftLength
 from gateway.replicas import fit_verify_step
 from gateway.round_result import RoundResult
+from gateway.session_rounds import SessionRounds
 from services.config import GatewayConfig, ServerConfig
 from services.errors import InvalidArgument
 from services.hashing import token_hash
@@ -27,6 +28,7 @@ from services.messages import CacheDelta, VerifyCall
 from services.model_runner import ModelRunner
 from services.models import describe
 from services.params import SamplingParams
+from services.session_store import SessionHandle
 from specmesh.v1 import common_pb2, verifier_pb2
 from tests.conftest import hf_greedy
 from tests.round_harness import Harness, greedy_chain, tables
@@ -200,12 +202,13 @@ def test_the_cost_model_weighs_a_plain_round_per_token():
                            verifiers=("v",), num_draft_tokens=0)
     limits = SimpleNamespace(max_context=1000, max_draft_tokens=8)
     k = DraftLength(config, limits, drafters=None, inflight=lambda: 1)
-    req = SimpleNamespace(adaptive=None, handle=SimpleNamespace(tokens=[1] * 20))
+    handle = SessionHandle(session_id="s", version=0, tokens=[1] * 20)
+    req = SimpleNamespace(handle=handle, rounds=SessionRounds(handle))
     k.learn(req, "model", _round(0, (2, 3, 4), 40.0))
     costs = k._costs("model", req)
     assert costs.verify_ms_base == pytest.approx(10.0)
     assert costs.rtt_ms == pytest.approx(2.0)  # the one call's overhead, as it was
-    req.last_round = (0.0, _round(0, (2, 3, 4), 40.0))
+    req.rounds.last = (0.0, _round(0, (2, 3, 4), 40.0))
     k.learn_cycle(req, "model", 0.048)
     assert costs.cycle_ms[0] == pytest.approx(12.0)
 

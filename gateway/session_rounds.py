@@ -1,0 +1,62 @@
+"""One session's rounds within a request: the one state object the round loop reads and
+moves (gpt-fast's ``speculative_decode`` keeps the same things in locals).
+
+    handle    the committed tokens, and per tier a Cursor (services/session_store.py):
+              the replica holding the session's cache and how many committed tokens it holds
+    index     rounds run in the turn (a round's seeds are drawn from it)
+    prefetch  the next round's drafts, prepared during this round's verify (SpecCache)
+    last      when the latest round started, and its result (the next round's cycle is
+              measured from it)
+    adaptive  the request's own adaptive k, when it has one
+
+A round moves it once, in ``advance``: the round's kept tokens are appended and each tier's
+cursor moves to what that tier's cache now holds. A call that lands on another replica
+moves the cursor's replica (gateway/rounds.py); a replica that lost the session resets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.adaptive import AdaptiveK
+from gateway.round_result import RoundResult, SpecCache
+from services.session_store import SessionHandle
+
+
+@dataclass
+class SessionRounds:
+    handle: SessionHandle
+    index: int = 0
+    prefetch: SpecCache | None = None
+    last: tuple[float, RoundResult] | None = None
+    adaptive: AdaptiveK | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.handle.tokens
+
+    def advance(self, r: RoundResult, kept: list[int], started: float) -> None:
+        """Commits the round that started at ``started`` with its ``kept`` tokens (its
+        proposed ones, possibly cut by a stop or the budget). The verifier holds the old
+        tokens and the accepted drafts, after a round of several tokens without drafts all
+        but the last; the drafter the old tokens and its tail (the drafts, and after a
+        speculation call its guess and the next drafts), each as far as it matches what was
+        kept. The one place the cursors advance."""
+        h = self.handle
+        old = len(h.tokens)
+        h.verifier.advance(old + min(r.num_accepted + len(r.more), len(kept)))
+        if r.drafter_tail is not None:
+            h.drafter.advance(old + _common_prefix(r.drafter_tail, kept))
+        h.tokens.extend(kept)
+        self.index += 1
+        self.prefetch = r.prefetch
+        self.last = (started, r)
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
