@@ -1,0 +1,113 @@
+"""The gateway's scheduler as a whole, in process (tests/engine_harness.py): many requests
+at once through the real GenerationEngine, its step batching and its commits to a real
+Redis, over in-process replicas on table models. Expected tokens come from the tables alone
+(``greedy_chain``); what a seeded sample draws is compared with the same request run alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.chunks import Finish
+from services.model_info import load_tokenizer
+from services.params import SamplingParams
+from tests.engine_harness import EngineHarness, spec, token_ids
+from tests.round_harness import greedy_chain, tables
+
+VOCAB = 512  # the tiny pair's tokenizer's
+PROMPTS = [[(7 * i + 3 * j + 1) % VOCAB for j in range(4 + i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_pair):
+    return load_tokenizer(tiny_pair[0])
+
+
+def _run(redis_url, tokenizer, work, noise: float = 1.0, **config):
+    """Runs ``work(harness)`` on a fresh harness; returns (harness, its result)."""
+    target, draft = tables(vocab=VOCAB, seed=5, noise=noise)
+
+    async def main():
+        h = EngineHarness(target, draft, redis_url, tokenizer, **config)
+        try:
+            return h, await work(h)
+        finally:
+            await h.close()
+
+    return asyncio.run(main())
+
+
+def test_concurrent_requests_go_in_steps_and_each_equals_the_targets_own_chain(
+        redis_url, tokenizer):
+    """Eight requests at once, half with speculation and half target-only: each gets the
+    target's greedy chain, and the verifier received fewer calls than the rounds run
+    (steps carried several sessions' calls; without step batching every round is a call)."""
+    async def work(h):
+        return await asyncio.gather(*(
+            h.complete(spec(p, 24, speculate=i % 2 == 0)) for i, p in enumerate(PROMPTS)))
+
+    h, outs = _run(redis_url, tokenizer, work)
+    target = h.verifier.runner.model
+    for p, chunks in zip(PROMPTS, outs, strict=True):
+        assert token_ids(chunks) == greedy_chain(target, p, 24)
+        assert chunks[-1].finish is Finish.LENGTH
+        assert chunks[-1].usage.completion_tokens == 24
+    calls = h.stub("verifier").calls
+    rounds = sum(chunks[-1].usage.rounds for chunks in outs)
+    assert calls.get("VerifyBatch", 0) > 0
+    assert sum(calls.values()) < rounds
+    drafted = [chunks[-1].usage.draft_tokens for chunks in outs]
+    assert all(n == 0 for n in drafted[1::2])  # target-only requests never draft
+
+
+def test_a_kept_sessions_next_turn_continues_from_what_redis_holds(redis_url, tokenizer):
+    """A second turn appends its prompt to the first turn's committed tokens: its output is
+    the target's chain after all of them, and Redis holds the whole history after it."""
+    second_prompt = [3, 4]
+
+    async def work(h):
+        first = await h.complete(spec(PROMPTS[0], 10, keep_session=True))
+        session = first[0].session_id
+        second = await h.complete(spec(second_prompt, 10, session_id=session,
+                                       keep_session=True))
+        stored = await h.store.load(session)
+        return first, second, stored
+
+    h, (first, second, stored) = _run(redis_url, tokenizer, work)
+    history = [*PROMPTS[0], *token_ids(first), *second_prompt]
+    assert token_ids(second) == greedy_chain(h.verifier.runner.model, history, 10)
+    assert stored.tokens == [*history, *token_ids(second)]
+    assert stored.turn["start"] == len(history)
+
+
+@pytest.mark.parametrize("speculate", [True, False], ids=["speculative", "target-only"])
+def test_a_seeded_sample_draws_the_same_alone_and_among_other_requests(
+        redis_url, tokenizer, speculate):
+    """A seeded sample must reproduce whatever else the gateway runs: its k is fixed and
+    its rounds without drafts ask for one token (how many a round of several gets depends
+    on the other calls of its step), so the other sessions in its steps cannot change its
+    draws. Run alone, then among seven greedy requests (a prompt arriving among them), then
+    alone again."""
+    sampled = spec(PROMPTS[2], 30, params=SamplingParams(temperature=1.0), seed=1234,
+                   speculate=speculate)
+
+    async def work(h):
+        alone = token_ids(await h.complete(sampled))
+        others = [asyncio.ensure_future(h.complete(spec(p, 30)))
+                  for i, p in enumerate(PROMPTS) if i not in (2, 7)]
+        await asyncio.sleep(0.01)
+        late = asyncio.ensure_future(h.complete(spec(PROMPTS[7], 30)))
+        among = token_ids(await h.complete(sampled))
+        await asyncio.gather(late, *others)
+        again = token_ids(await h.complete(sampled))
+        return alone, among, again
+
+    _, (alone, among, again) = _run(redis_url, tokenizer, work)
+    assert len(alone) == 30
+    assert among == alone
+    assert again == alone
+    other = _run(redis_url, tokenizer, lambda h: h.complete(
+        spec(PROMPTS[2], 30, params=SamplingParams(temperature=1.0), seed=1235,
+             speculate=speculate)))[1]
+    assert token_ids(other) != alone  # (the seed matters: not a greedy chain in disguise)
