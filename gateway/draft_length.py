@@ -162,8 +162,7 @@ class DraftLength:
                 pays = self._pays_alone(kind, req)
                 if self.config.plain_tokens > 1:  # (lone requests' plain probes: one token)
                     pays = False
-                switch = LoadSwitch() if pays is None else LoadSwitch(speculate=pays,
-                                                                      patient=True)
+                switch = LoadSwitch() if pays is None else LoadSwitch(on=pays, patient=True)
             self.switches[(kind, level)] = switch
         return switch
 
@@ -171,7 +170,7 @@ class DraftLength:
         """Whether a load switch at the current load level is in a drafting epoch: then
         cohorts of rounds without drafts must not merge (gateway/step_batch.py)."""
         level = self._level()
-        return any(switch.speculate for (_, at), switch in self.switches.items() if at == level)
+        return any(switch.on for (_, at), switch in self.switches.items() if at == level)
 
     def merge_plain(self) -> bool:
         """Whether cohorts of rounds without drafts may merge (gateway/step_batch.py): not

@@ -312,9 +312,9 @@ def test_the_switch_state_is_exported_per_kind_and_load_level():
 
     from services.metrics import GatewayMetrics
 
-    exploring = LoadSwitch(speculate=True, rate={True: 30.0, False: 20.0})
+    exploring = LoadSwitch(on=True, rate={True: 30.0, False: 20.0})
     exploring._exploring = True  # plain is the incumbent; this epoch tries drafting
-    drafting = LoadSwitch(speculate=True, rate={True: 40.0})
+    drafting = LoadSwitch(on=True, rate={True: 40.0})
     switches = [("model", 3, exploring), ("ngram", 1, drafting)]
     reader = InMemoryMetricReader()
     GatewayMetrics(MeterProvider(metric_readers=[reader]).get_meter("t"), lambda: 0,
@@ -340,12 +340,12 @@ def test_cohorts_merge_only_while_no_switch_at_the_load_is_in_a_drafting_epoch()
     or another load level's, does not."""
     dl = _draft_length(lambda: 8)
     assert not dl.drafting_now()  # no switch: target-only traffic merges
-    exploring_plain = LoadSwitch(speculate=False, rate={True: 30.0, False: 20.0})
+    exploring_plain = LoadSwitch(on=False, rate={True: 30.0, False: 20.0})
     exploring_plain._exploring = True
-    exploring_drafts = LoadSwitch(speculate=True, rate={True: 20.0, False: 30.0})
+    exploring_drafts = LoadSwitch(on=True, rate={True: 20.0, False: 30.0})
     exploring_drafts._exploring = True
-    dl.switches[("model", 2)] = LoadSwitch(speculate=True)  # another level's
-    dl.switches[("model", 3)] = LoadSwitch(speculate=False, rate={True: 20.0, False: 30.0})
+    dl.switches[("model", 2)] = LoadSwitch(on=True)  # another level's
+    dl.switches[("model", 3)] = LoadSwitch(on=False, rate={True: 20.0, False: 30.0})
     assert not dl.drafting_now()
     dl.switches[("model", 3)] = exploring_plain
     assert exploring_plain.incumbent and not dl.drafting_now()
@@ -360,7 +360,7 @@ def test_target_only_requests_merge_whatever_the_switch_keeps():
     cohorts (4.0 calls a pass at 8 streams, 378 tokens/s against 514 merged), because the
     switch the defaults left kept drafting."""
     dl = _draft_length(lambda: 8)
-    kept = LoadSwitch(speculate=True)
+    kept = LoadSwitch(on=True)
     dl.switches[("model", 3)] = kept
     assert dl.drafting_now() and dl.merge_plain()  # nothing in flight may draft
     plain = [dl.running(SimpleNamespace(speculate=False)) for _ in range(8)]
@@ -369,7 +369,7 @@ def test_target_only_requests_merge_whatever_the_switch_keeps():
     assert drafting and not dl.merge_plain()
     dl.ended(drafting)
     assert dl.merge_plain()
-    dl.switches[("model", 3)] = LoadSwitch(speculate=False, rate={True: 20.0, False: 30.0})
+    dl.switches[("model", 3)] = LoadSwitch(on=False, rate={True: 20.0, False: 30.0})
     again = dl.running(SimpleNamespace(speculate=True))
     assert dl.merge_plain()  # may draft, but the switch's epoch does not
     for may in (*plain, again):

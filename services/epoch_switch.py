@@ -1,0 +1,110 @@
+"""Two modes of running the same work, compared by the throughput each gives, in epochs.
+
+The switch runs the work in epochs of one mode (at least ``epoch_s`` and ``min_rounds``
+units), and measures each epoch's tokens per second: the tokens of the units that began in
+it over those units' cycle times (from a unit's start to the next one's, so that what a mode
+costs the rest of the system between units counts too). It keeps the better mode and tries
+the other one again after 2 epochs, then 4, 8 and 16 while the incumbent keeps winning (2, 8,
+16 when the other mode reached less than 0.8 of its rate): with a 1.5x difference, 1 epoch
+in 17 costs about 2%. A tie goes to the mode that is off (``on`` False): the cheaper one.
+A switch whose first mode came from evidence (``patient``) measures the other mode on the
+usual schedule, after ``first_explore`` epochs, not at once.
+
+Used by the gateway, whether loaded requests draft (gateway/load_switch.py), and by a
+verifier, whether its passes without drafts run on more threads (services/plain_threads.py).
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EpochSwitch:
+    epoch_s: float = 0.5
+    min_rounds: int = 8
+    weight: float = 0.5  # of an epoch's rate in its mode's running average
+    first_explore: int = 2  # epochs of the incumbent before the other mode is tried again
+    max_explore: int = 16  # ... doubling while the incumbent keeps winning, up to this
+    wide_margin: float = 0.8  # (quadrupling while the other mode's rate is below this share)
+    on: bool = True  # the mode of the current epoch
+    patient: bool = False  # the first mode came from evidence: explore on schedule
+    rate: dict[bool, float] = field(default_factory=dict)  # tokens per request-second
+    _exploring: bool = False  # this epoch tries the mode that is not the incumbent
+    _every: int = 0
+    _streak: int = 0
+    _start: float | None = None
+    _last: float = 0.0
+    _tokens: int = 0
+    _busy_s: float = 0.0
+    _rounds: int = 0
+
+    def __post_init__(self) -> None:
+        self._every = self._every or self.first_explore
+
+    @property
+    def incumbent(self) -> bool:
+        """The mode kept between explorations."""
+        return self.on != self._exploring
+
+    def seeded(self) -> EpochSwitch:
+        """A switch for another level of load that starts from this one's rates, mode and pace
+        of exploring (so it does not begin by running the worse mode for an epoch)."""
+        best = self.rate[True] > self.rate[False] if len(self.rate) == 2 else self.incumbent
+        return type(self)(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
+                          first_explore=self.first_explore, max_explore=self.max_explore,
+                          wide_margin=self.wide_margin, on=best, patient=True,
+                          rate=dict(self.rate), _every=self._every)
+
+    def mode(self, now: float) -> bool:
+        """The mode of a unit of work starting ``now``. An epoch interrupted for longer
+        than an epoch (the load moved elsewhere) starts again."""
+        if self._start is None or now - self._last > self.epoch_s:
+            self._begin(now)
+        elif now - self._start >= self.epoch_s and self._rounds >= self.min_rounds:
+            self._end_epoch()
+            self._begin(now)
+        self._last = now
+        return self.on
+
+    def observe(self, started: float, cycle_s: float, tokens: int, cut: bool = False) -> None:
+        """A unit of work (a round, a pass) that began at ``started``, took ``cycle_s`` to
+        the next one and yielded ``tokens``; ``cut``: not representative of its mode (a round
+        without drafts cut short by the drafts of others in its step), not counted."""
+        if self._start is None or started < self._start or cycle_s <= 0 or cut:
+            return
+        self._tokens += tokens
+        self._busy_s += cycle_s
+        self._rounds += 1
+
+    def _begin(self, now: float) -> None:
+        self._start, self._tokens, self._busy_s, self._rounds = now, 0, 0.0, 0
+
+    def _end_epoch(self) -> None:
+        mode, rate = self.on, self._tokens / self._busy_s
+        old = self.rate.get(mode)
+        self.rate[mode] = rate if old is None else (1 - self.weight) * old + self.weight * rate
+        if (not mode) not in self.rate:
+            if not self.patient:  # the other mode was never measured: now
+                self._exploring, self.on = True, not mode
+                return
+            best = mode  # (evidence chose it: the other is measured on schedule)
+        else:
+            best = self.rate[True] > self.rate[False]
+            if old is None and not self.patient:  # both measured once: the better begins
+                self._exploring, self.on = False, best
+                return
+        if self._exploring:
+            # A mode that lost by a wide margin is tried again later than one that nearly won
+            wide = min(self.rate.values()) < self.wide_margin * max(self.rate.values())
+            self._every = (min(self.max_explore, (4 if wide else 2) * self._every)
+                           if best == self.incumbent else self.first_explore)
+            self._exploring, self._streak, self.on = False, 0, best
+            return
+        self._streak += 1
+        if self._streak >= self._every:
+            self._exploring, self._streak = True, 0
+            self.on = not best
+        else:
+            self.on = best
