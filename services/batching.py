@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from services.plain_threads import PlainThreads
+
 
 @dataclass
 class Row:
@@ -237,8 +239,8 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 def run_step(model, jobs: Sequence[StepJob], device: torch.device,
-             new_cache: Callable[[], Any],
-             prefill_threads: int = 0) -> tuple[list[BaseException | None], float]:
+             new_cache: Callable[[], Any], prefill_threads: int = 0,
+             plain: PlainThreads | None = None) -> tuple[list[BaseException | None], float]:
     """One forward pass over each job's next row; returns (per job its error or None, the
     pass's milliseconds). A job that fails is reported and the others go on; a failed pass
     fails every job in it. The caller (services/model_runner.py) decides which jobs run the
@@ -246,9 +248,12 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
 
     ``prefill_threads``: torch threads for a pass with a row of PREFILL_ROW tokens or more
     (a prompt, or a chunk of one), when more than the service's own: such a pass is bound
-    by compute, which a second core speeds up, where a decode pass (one token, or k + 1, per
-    session) is bound by reading the weights and loses more to waking threads than it gains
-    (docs/performance.md)."""
+    by compute, which a second core speeds up (docs/performance.md).
+
+    ``plain``: a verifier's choice of threads for a pass that verifies no drafts (every
+    row one logit: services/plain_threads.py), when it has more cores for them: no drafter
+    works beside such a pass. A pass that verifies drafts runs on the service's own threads,
+    beside the drafter drafting the next round."""
     start = time.perf_counter()
     errors: list[BaseException | None] = [None] * len(jobs)
     rows, live = [], []
@@ -258,7 +263,13 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
             live.append(i)
         except Exception as exc:  # noqa: BLE001 - a bad job must not fail the others
             errors[i] = exc
-    wide = prefill_threads if any(len(r.tokens) >= PREFILL_ROW for r in rows) else 0
+    prompt = any(len(r.tokens) >= PREFILL_ROW for r in rows)
+    wide = prefill_threads if prompt else 0
+    if plain is not None:
+        if rows and not prompt and all(r.keep == 1 for r in rows):
+            wide = plain.plain(start, len(rows))
+        else:
+            plain.other()
     try:
         with torch_threads(wide):
             logits = forward_rows(model, rows, device, new_cache) if rows else []

@@ -132,6 +132,7 @@ class ModelServiceConfig:
     prefix_block: int = 16  # tokens per prefix-cache block
     prefill_chunk: int = 256  # a longer prompt is fed this many tokens per pass; 0 = at once
     prefill_threads: int = 0  # torch threads for a pass that feeds a prompt; 0 = threads
+    plain_threads: int = 0  # a verifier's passes without drafts: tried on this many; 0 = off
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
@@ -150,6 +151,8 @@ class ModelServiceConfig:
                  f"prefill chunk must be >= 0 tokens (0 = off), got {self.prefill_chunk}")
         _require(self.prefill_threads >= 0,
                  f"prefill threads must be >= 0 (0 = --threads), got {self.prefill_threads}")
+        _require(self.plain_threads >= 0,
+                 f"plain threads must be >= 0 (0 = --threads), got {self.plain_threads}")
         _require(1 <= self.prefix_block <= 1024,
                  f"prefix block size must be in 1..1024 tokens, got {self.prefix_block}")
 

@@ -6,7 +6,8 @@ it over those units' cycle times (from a unit's start to the next one's, so that
 costs the rest of the system between units counts too). It keeps the better mode and tries
 the other one again after 2 epochs, then 4, 8 and 16 while the incumbent keeps winning (2, 8,
 16 when the other mode reached less than 0.8 of its rate): with a 1.5x difference, 1 epoch
-in 17 costs about 2%. A tie goes to the mode that is off (``on`` False): the cheaper one.
+in 17 costs about 2%. A tie goes to the mode that is off (``on`` False), the cheaper one;
+with ``on_margin`` above 1 the mode that is on must win by that factor.
 A switch whose first mode came from evidence (``patient``) measures the other mode on the
 usual schedule, after ``first_explore`` epochs, not at once.
 
@@ -28,6 +29,7 @@ class EpochSwitch:
     first_explore: int = 2  # epochs of the incumbent before the other mode is tried again
     max_explore: int = 16  # ... doubling while the incumbent keeps winning, up to this
     wide_margin: float = 0.8  # (quadrupling while the other mode's rate is below this share)
+    on_margin: float = 1.0  # the mode that is on must beat the other's rate by this factor
     on: bool = True  # the mode of the current epoch
     patient: bool = False  # the first mode came from evidence: explore on schedule
     rate: dict[bool, float] = field(default_factory=dict)  # tokens per request-second
@@ -51,10 +53,11 @@ class EpochSwitch:
     def seeded(self) -> EpochSwitch:
         """A switch for another level of load that starts from this one's rates, mode and pace
         of exploring (so it does not begin by running the worse mode for an epoch)."""
-        best = self.rate[True] > self.rate[False] if len(self.rate) == 2 else self.incumbent
+        best = self._on_wins() if len(self.rate) == 2 else self.incumbent
         return type(self)(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
                           first_explore=self.first_explore, max_explore=self.max_explore,
-                          wide_margin=self.wide_margin, on=best, patient=True,
+                          wide_margin=self.wide_margin, on_margin=self.on_margin, on=best,
+                          patient=True,
                           rate=dict(self.rate), _every=self._every)
 
     def mode(self, now: float) -> bool:
@@ -91,7 +94,7 @@ class EpochSwitch:
                 return
             best = mode  # (evidence chose it: the other is measured on schedule)
         else:
-            best = self.rate[True] > self.rate[False]
+            best = self._on_wins()
             if old is None and not self.patient:  # both measured once: the better begins
                 self._exploring, self.on = False, best
                 return
@@ -108,3 +111,6 @@ class EpochSwitch:
             self.on = not best
         else:
             self.on = best
+
+    def _on_wins(self) -> bool:
+        return self.rate[True] > self.on_margin * self.rate[False]

@@ -63,8 +63,10 @@ class MeshSpec:
     the verifier verifies does not fight it for the same cores. A verifier's passes that
     compute a prompt get the cores the verifiers share (``--prefill-threads``, unless its
     extra args set it): such a pass is bound by compute, and a drafter has little to do
-    while the prompt it will draft from is being computed; its OpenMP threads then sleep
-    rather than spin between passes (``_omp_env``)."""
+    while the prompt it will draft from is being computed. Its passes that verify no drafts
+    are tried on as many (``--plain-threads``): no drafter works beside them; the verifier
+    keeps what serves more. Its OpenMP threads spin only briefly between passes
+    (``_omp_env``)."""
 
     target: str
     draft: str
@@ -98,14 +100,19 @@ def model_threads(cores: int, model_processes: int) -> int:
     return max(1, cores // max(1, model_processes))
 
 
+OMP_SPIN = 10_000  # libgomp's spin count for a verifier's threads (its default is 300,000)
+
+
 def _omp_env(command: str) -> dict[str, str]:
-    """A verifier's OpenMP threads sleep when a pass ends (OMP_WAIT_POLICY=PASSIVE) unless
-    the environment says otherwise: its prompt passes run on more threads than its decode
-    passes, and the extra thread's spin-wait after each took CPU from the drafter and the
-    gateway on the same cores (docs/performance.md)."""
-    if command != "verifier" or "OMP_WAIT_POLICY" in os.environ:
+    """A verifier's OpenMP threads spin briefly when a parallel region ends, then sleep
+    (GOMP_SPINCOUNT=OMP_SPIN) unless the environment sets a policy: its prompt passes, and
+    passes without drafts when they pay, run on more threads than the others. Spinning for
+    libgomp's default after each pass took CPU from the drafter and the gateway on the same
+    cores; not spinning at all (OMP_WAIT_POLICY=PASSIVE) woke the threads for every operator
+    of a pass, and took a third of what two threads gain on one (docs/performance.md)."""
+    if command != "verifier" or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
         return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {"GOMP_SPINCOUNT": str(OMP_SPIN)}
 
 
 def _with_threads(args: tuple[str, ...], threads: int, flag: str = "--threads"
@@ -247,8 +254,9 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
         threads = model_threads(os.cpu_count() or 1, spec.verifiers + spec.drafters)
         prefill = model_threads(os.cpu_count() or 1, spec.verifiers)
         tiers = [("verifier", "verifier", spec.verifiers, spec.target,
-                  _with_threads(_with_threads(spec.extra_verifier_args, threads), prefill,
-                                "--prefill-threads")),
+                  _with_threads(_with_threads(_with_threads(
+                      spec.extra_verifier_args, threads), prefill, "--prefill-threads"),
+                      prefill, "--plain-threads")),
                  ("drafter", "drafter", spec.drafters, spec.draft,
                   _with_threads(spec.extra_drafter_args, threads)),
                  ("ngram", "drafter", spec.ngram_drafters, spec.target,

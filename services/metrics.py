@@ -30,13 +30,15 @@ def _counter(meter: metrics.Meter, name: str, unit: str, description: str,
 
 
 def _gauges(meter: metrics.Meter, name: str, unit: str, description: str,
-            read: Callable[[], Iterable[tuple[float, dict]]]) -> None:
-    """A gauge with one value per label set that ``read`` yields when scraped."""
+            read: Callable[[], Iterable[tuple[float, dict]]], counter: bool = False) -> None:
+    """A gauge (``counter``: a monotonic counter) with one value per label set that ``read``
+    yields when scraped."""
     def callback(_: CallbackOptions):
         for value, labels in read():
             yield Observation(value, labels)
 
-    meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
+    create = meter.create_observable_counter if counter else meter.create_observable_gauge
+    create(name, callbacks=[callback], unit=unit, description=description)
 
 
 class GatewayMetrics:
@@ -131,9 +133,11 @@ class ModelServiceMetrics:
 
     def __init__(self, meter: metrics.Meter, kind: str, queue_depth: Callable[[], int],
                  sessions: Callable[[], int], kv_bytes: Callable[[], int],
-                 kv_capacity_bytes: Callable[[], int], prefix=None, pool=None) -> None:
+                 kv_capacity_bytes: Callable[[], int], prefix=None, pool=None,
+                 plain=None) -> None:
         """``prefix``: the replica's PrefixCache (None: off, no prefix metrics); ``pool``: its
-        model's KVPool (services/kv_slab.py; None: none, no pool metrics)."""
+        model's KVPool (services/kv_slab.py; None: none, no pool metrics); ``plain``: a
+        verifier's PlainThreads (services/plain_threads.py; None: off, no metrics)."""
         self.calls = meter.create_counter(f"specmesh.{kind}.calls", unit="{call}",
                                           description=f"{kind} calls answered, by outcome")
         self.draft_tokens = meter.create_counter(
@@ -168,6 +172,16 @@ class ModelServiceMetrics:
             _gauge(meter, f"specmesh.{kind}.kv_pool.capacity", "{slot}",
                    "KV pool slots at most; past them a new session takes a resting one's",
                    lambda: pool.max_slots)
+        if plain is not None:
+            _gauges(meter, f"specmesh.{kind}.plain_threads", "{thread}",
+                    "torch threads kept for passes without drafts, per batch level (sessions "
+                    "a pass 1: 1, 2-3: 2, 4-7: 3, ...), between explorations",
+                    lambda: [(plain.wide if s.incumbent else plain.narrow,
+                              {"batch_level": level}) for level, s in plain.switches.items()])
+            _gauges(meter, f"specmesh.{kind}.plain_passes", "{pass}",
+                    "Passes without drafts run so far, by the torch threads they ran on",
+                    lambda: [(n, {"threads": threads}) for threads, n in plain.passes.items()],
+                    counter=True)
         if prefix is not None:
             _counter(meter, f"specmesh.{kind}.prefix.lookup_tokens", "{token}",
                      "Prompt tokens of fresh sessions looked up in the prefix cache",

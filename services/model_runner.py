@@ -26,6 +26,7 @@ from services.errors import InvalidArgument, Overloaded
 from services.kv_cache import SessionCache
 from services.messages import CacheDelta, ReplicaStats, check_token_ids
 from services.models import ModelMeta
+from services.plain_threads import PlainThreads
 
 MAX_PASSES = 64  # passes the model thread runs before it hands back to the event loop
 
@@ -73,9 +74,11 @@ class _Active:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, meta: ModelMeta, device: torch.device,
-                 max_queue: int, max_batch: int = 16, prefill_threads: int = 0) -> None:
+                 max_queue: int, max_batch: int = 16, prefill_threads: int = 0,
+                 plain: PlainThreads | None = None) -> None:
         """``prefill_threads``: torch threads for a pass that feeds a prompt
-        (services/batching.py ``run_step``); 0: the process's own."""
+        (services/batching.py ``run_step``); 0: the process's own. ``plain``: a verifier's
+        choice of threads for its passes without drafts (services/plain_threads.py)."""
         self.model = model
         self.meta = meta
         self.device = device
@@ -83,6 +86,7 @@ class ModelRunner:
         self._max_queue = max_queue
         self._max_batch = max_batch
         self._prefill_threads = prefill_threads
+        self.plain = plain
         self._pending = 0
         self._waiting: list[tuple[StepJob, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
@@ -180,7 +184,7 @@ class ModelRunner:
         out = []
         while True:
             errors, ms = run_step(self.model, jobs, self.device, self.new_kv,
-                                  self._prefill_threads)
+                                  self._prefill_threads, self.plain)
             out.append((errors, ms))
             if (len(out) >= MAX_PASSES or self._waiting or any(e is not None for e in errors)
                     or any(j.done for j in jobs) or any(a.future.done() for a in active)):

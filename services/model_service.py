@@ -4,11 +4,13 @@ Release / GetModelInfo / GetStats RPCs, telemetry of each call, and running the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as aioredis
+import torch
 from opentelemetry import trace
 
 from services.call_stream import Drain
@@ -20,6 +22,7 @@ from services.messages import CacheDelta
 from services.metrics import ModelServiceMetrics
 from services.model_runner import ModelRunner
 from services.models import kv_bytes_per_token, load_for_serving
+from services.plain_threads import PlainThreads
 from services.prefix_cache import PrefixCache
 from services.prefix_index import IndexPublisher
 from services.registry import Registration
@@ -27,12 +30,30 @@ from services.server import serve
 from services.telemetry import Telemetry
 from specmesh.v1 import common_pb2
 
+log = logging.getLogger(__name__)
+
+
+def plain_threads(config: ModelServiceConfig, device: torch.device) -> PlainThreads | None:
+    """The choice of threads for a verifier's passes without drafts (--plain-threads), when
+    it asks for more than the process's threads on a CPU (an accelerator's passes do not
+    run on torch's CPU threads)."""
+    narrow = torch.get_num_threads()
+    if config.plain_threads <= narrow:
+        return None
+    if device.type != "cpu":
+        log.info("--plain-threads %d ignored: the model runs on %s", config.plain_threads,
+                 device)
+        return None
+    log.info("passes without drafts are measured on %d and on %d torch threads; the faster "
+             "is kept", narrow, config.plain_threads)
+    return PlainThreads(narrow, config.plain_threads)
+
 
 def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]:
     model, meta, device = load_for_serving(config.model, config.device, config.dtype,
                                            config.threads, config.forward)
     runner = ModelRunner(model, meta, device, config.max_queue, config.max_batch,
-                         config.prefill_threads)
+                         config.prefill_threads, plain_threads(config, device))
     max_tokens = None
     if config.kv_budget_mb:
         per_token = kv_bytes_per_token(model)
@@ -60,7 +81,8 @@ def build_metrics(telemetry: Telemetry, kind: str, engine,
         sessions=lambda: len(engine.caches),
         kv_bytes=lambda: per_token * engine.caches.total_tokens(),
         kv_capacity_bytes=lambda: capacity, prefix=engine.caches.prefix,
-        pool=getattr(getattr(runner, "model", None), "pool", None))
+        pool=getattr(getattr(runner, "model", None), "pool", None),
+        plain=getattr(runner, "plain", None))
 
 
 class ModelServiceRpcs:

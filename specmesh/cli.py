@@ -27,6 +27,7 @@ from specmesh.options import (
     MetricsPort,
     Model,
     ParentPid,
+    PlainThreads,
     Port,
     PrefillChunk,
     PrefillThreads,
@@ -51,7 +52,7 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                    advertise: str = "", kv_budget_mb: int = 0, max_batch: int = 16,
                    forward: str = "auto", prefix_cache_mb: int = 256,
                    prefix_block: int = 16, prefill_chunk: int = 256,
-                   prefill_threads: int = 0) -> None:
+                   prefill_threads: int = 0, plain_threads: int = 0) -> None:
     from services.config import ModelServiceConfig
 
     model = model_reference(model, "--model")
@@ -64,7 +65,8 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                                     advertise=advertise, kv_budget_mb=kv_budget_mb,
                                     forward=forward, prefix_cache_mb=prefix_cache_mb,
                                     prefix_block=prefix_block, prefill_chunk=prefill_chunk,
-                                    prefill_threads=prefill_threads)
+                                    prefill_threads=prefill_threads,
+                                    plain_threads=plain_threads)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     from services.models import device_problem
@@ -117,7 +119,8 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0,
              forward: Forward = "auto", prefix_cache_mb: PrefixCacheMb = 256,
              prefix_block: PrefixBlock = 16, prefill_chunk: PrefillChunk = 256,
-             prefill_threads: PrefillThreads = 0, parent_pid: ParentPid = 0) -> None:
+             prefill_threads: PrefillThreads = 0, plain_threads: PlainThreads = 0,
+             parent_pid: ParentPid = 0) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", server_config(port, host, tls_cert, tls_key, tls_ca, health_port,
                                             parent_pid), model,
@@ -125,7 +128,7 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
                    threads, max_queue,
                    telemetry_config("verifier", metrics_port, log_format, log_level), "model", redis,
                    advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
-                   prefill_chunk, prefill_threads)
+                   prefill_chunk, prefill_threads, plain_threads)
 
 
 @app.command()

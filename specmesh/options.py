@@ -111,6 +111,12 @@ PrefillThreads = Annotated[int, typer.Option(
     help="torch CPU threads for a forward pass that computes a prompt (or a chunk of one), "
          "when more than --threads: a prompt's pass is bound by compute, a decode pass by "
          "reading the weights; 0 = --threads.")]
+PlainThreads = Annotated[int, typer.Option(
+    "--plain-threads", envvar="SPECMESH_PLAIN_THREADS", min=0,
+    help="torch CPU threads to try for a forward pass that verifies no drafts (target-only "
+         "rounds, and rounds while drafts do not pay), when more than --threads: no drafter "
+         "works beside such a pass. The verifier measures its throughput both ways as it "
+         "serves and keeps the faster; 0 = --threads.")]
 Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                       help="auto: Llama-architecture models run a lean forward "
                                            "(less Python per call; on a CPU with weights "

@@ -119,6 +119,8 @@ def test_up_refuses_a_pair_that_does_not_share_a_vocabulary(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["drafter", "--model", "x", "--max-draft-tokens", "0"], "max draft tokens"),
     (["verifier", "--model", "x", "--prefill-threads", "-1"], "--prefill-threads"),
+    (["verifier", "--model", "x", "--plain-threads", "-1"], "--plain-threads"),
+    (["drafter", "--model", "x", "--plain-threads", "2"], "--plain-threads"),  # verifier's only
     (["gateway", "--redis", "http://x", "--verifiers", "h:1"], "redis URL"),
     (["gateway", "--redis", "redis://x", "--verifiers", "nohostport"], "HOST:PORT"),
 ])

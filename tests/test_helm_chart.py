@@ -415,6 +415,9 @@ def test_replicas_publish_their_prefix_index_under_the_address_gateways_dial():
         assert (env["SPECMESH_PREFIX_CACHE_MB"]["value"], env["SPECMESH_PREFIX_BLOCK"]["value"],
                 env["SPECMESH_PREFILL_CHUNK"]["value"],
                 env["SPECMESH_PREFILL_THREADS"]["value"]) == ("256", "16", "256", "0")
+        # passes without drafts are the verifier's alone
+        assert (env["SPECMESH_PLAIN_THREADS"]["value"] == "0") if tier == "verifier" else (
+            "SPECMESH_PLAIN_THREADS" not in env)
 
 
 def test_otel_env_and_service_monitor():

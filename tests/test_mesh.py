@@ -146,22 +146,28 @@ def test_ephemeral_session_is_gone_after_the_request(client):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_the_local_mesh_gives_its_verifier_the_cores_for_prompts_and_sleeping_threads(mesh):
+def test_the_local_mesh_gives_its_verifier_the_cores_for_prompts_and_plain_passes(mesh):
     """start_mesh: each model process gets its share of the cores for decode passes, the
-    verifier all the cores the verifiers share for prompt passes (--prefill-threads), and
-    the verifier's OpenMP threads sleep between passes (OMP_WAIT_POLICY=PASSIVE) unless the
-    environment chose a policy; the drafters are left as they were."""
+    verifier all the cores the verifiers share for prompt passes (--prefill-threads) and to
+    try for passes without drafts (--plain-threads), and the verifier's OpenMP threads spin
+    only briefly between passes (GOMP_SPINCOUNT) unless the environment chose a policy; the
+    drafters are left as they were."""
     import os
 
     import psutil
+
+    from services.local_mesh import OMP_SPIN
 
     cores = os.cpu_count() or 1
     verifier = psutil.Process(mesh.proc("verifier-0").popen.pid)
     drafter = psutil.Process(mesh.proc("drafter-0").popen.pid)
     args = verifier.cmdline()
     assert args[args.index("--prefill-threads") + 1] == str(cores)
+    assert args[args.index("--plain-threads") + 1] == str(cores)
     assert args[args.index("--threads") + 1] == str(max(1, cores // 2))  # with one drafter
     assert "--prefill-threads" not in drafter.cmdline()
-    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
-    assert verifier.environ().get("OMP_WAIT_POLICY") == expected
-    assert drafter.environ().get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY")
+    assert "--plain-threads" not in drafter.cmdline()
+    chosen = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys()
+    expected = os.environ.get("GOMP_SPINCOUNT") if chosen else str(OMP_SPIN)
+    assert verifier.environ().get("GOMP_SPINCOUNT") == expected
+    assert drafter.environ().get("GOMP_SPINCOUNT") == os.environ.get("GOMP_SPINCOUNT")

@@ -204,6 +204,10 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.prefillChunk | quote }}
 - name: SPECMESH_PREFILL_THREADS
   value: {{ $c.prefillThreads | quote }}
+{{- if eq .tier "verifier" }}
+- name: SPECMESH_PLAIN_THREADS
+  value: {{ $c.plainThreads | quote }}
+{{- end }}
 {{- /* the address gateways dial (an EndpointSlice's pod IP), under which the pod registers
        and publishes its prefix index in Redis */}}
 - name: POD_IP

@@ -1,0 +1,172 @@
+"""A verifier's threads for passes without drafts (services/plain_threads.py): the choice by
+measured throughput (pure logic on a simulated clock), and which passes it applies to (a
+real verifier engine and model runner on a table model, recording the torch threads each
+pass ran on)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.hashing import token_hash
+from services.kv_cache import SessionCaches
+from services.messages import CacheDelta, VerifyCall
+from services.model_runner import ModelRunner
+from services.params import SamplingParams
+from services.plain_threads import PlainThreads
+from tests.round_harness import TableLM, _meta, greedy_chain, tables
+from verifier_svc.engine import VerifierEngine
+
+
+def _serve(pt: PlainThreads, cycle_ms, passes: int = 400, rows: int = 8) -> list[int]:
+    """``passes`` plain passes back to back, each taking ``cycle_ms(threads)`` to the next;
+    the threads of each."""
+    now, chosen = 0.0, []
+    for _ in range(passes):
+        threads = pt.plain(now, rows)
+        chosen.append(threads)
+        now += cycle_ms(threads) / 1000.0
+    return chosen
+
+
+def test_wide_passes_are_kept_where_they_serve_more():
+    pt = PlainThreads(1, 2, epoch_s=0.05, min_passes=4)
+    chosen = _serve(pt, lambda threads: 10.0 if threads == 2 else 14.0)
+    assert pt.current == 2
+    assert chosen[-100:].count(2) >= 85  # the narrow mode is only re-tried now and then
+    assert pt.switch(8).rate[True] == pytest.approx(800.0)  # 8 session-tokens per 10 ms
+    assert pt.switch(8).rate[False] == pytest.approx(8 / 0.014)
+
+
+def test_narrow_passes_are_kept_where_wide_ones_serve_less_or_the_same():
+    """A machine where the second thread does not help (the cycle includes what it took
+    from the gateway): the process's own threads; on a tie too (they cost less CPU)."""
+    slower = PlainThreads(1, 2, epoch_s=0.05, min_passes=4)
+    chosen = _serve(slower, lambda threads: 16.0 if threads == 2 else 12.0)
+    assert slower.current == 1
+    assert chosen[-100:].count(1) >= 85
+    tie = PlainThreads(1, 2, epoch_s=0.05, min_passes=4)
+    _serve(tie, lambda threads: 12.0)
+    assert tie.current == 1
+
+
+def test_a_pass_with_drafts_breaks_the_chain_of_cycles():
+    """The cycle of a plain pass runs to the next plain pass only when no other pass came
+    between: after one with drafts (``other``) the gap is not counted against the mode."""
+    pt = PlainThreads(1, 2, epoch_s=10.0, min_passes=1)
+    pt.plain(0.0, 8)
+    pt.other()
+    pt.plain(0.5, 8)  # not a 500 ms cycle of the first pass
+    pt.plain(0.51, 8)
+    pt.switch(8).mode(10.2)  # the epoch ends: its rate is the one 10 ms cycle
+    assert pt.switch(8).rate == {True: pytest.approx(800.0)}
+
+
+def test_each_batch_size_level_has_its_own_choice():
+    """Two threads pay for passes of 16 sessions and not for passes of one: alternating
+    bursts of each, each level keeps its own (rates of a 16-session pass are not compared
+    with a lone session's)."""
+    pt = PlainThreads(1, 2, epoch_s=0.05, min_passes=4)
+    cost = {(16, 2): 10.0, (16, 1): 14.0, (1, 2): 6.0, (1, 1): 5.0}
+    now = 0.0
+    for burst in range(40):
+        rows = 16 if burst % 2 else 1
+        for _ in range(30):
+            threads = pt.plain(now, rows)
+            now += cost[(rows, threads)] / 1000.0
+        pt.other()
+    assert pt.switch(16).incumbent is True
+    assert pt.switch(1).incumbent is False
+    assert pt.switch(16).rate[True] == pytest.approx(1600.0)
+
+
+def test_plain_threads_must_be_more_than_the_process_threads():
+    with pytest.raises(ValueError, match="must be more"):
+        PlainThreads(2, 2)
+
+
+class _ThreadsLM(TableLM):
+    """A table model that records the torch threads each forward pass ran on and whether it
+    verified drafts (more than one logit kept)."""
+
+    def __init__(self, a, b) -> None:
+        super().__init__(a, b)
+        self.passes: list[tuple[int, bool]] = []
+
+    def forward(self, input_ids, *args, logits_to_keep=0, **kwargs):
+        self.passes.append((torch.get_num_threads(), (logits_to_keep or 1) > 1))
+        return super().forward(input_ids, *args, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def _call(prefix, base: int, drafts=(), max_tokens: int = 1) -> VerifyCall:
+    return VerifyCall(cache=CacheDelta(session_id="s", base_len=base,
+                                       base_hash=token_hash(list(prefix[:base])),
+                                       new_tokens=tuple(prefix[base:])),
+                      draft_ids=tuple(drafts), q_ids=(), q_probs=(), params=SamplingParams(),
+                      seed=1, max_tokens=max_tokens)
+
+
+def test_only_passes_that_verify_no_drafts_run_on_the_plain_threads():
+    """A verifier whose plain passes always win on more threads (a simulated first epoch
+    is wide): a call with drafts runs on the process's threads, a call of four plain tokens
+    four passes on the wider count; the tokens are the target's chain either way."""
+    target, _ = tables(vocab=48, seed=3, noise=1.5)
+    lm = _ThreadsLM(target.a, target.b)
+    narrow = torch.get_num_threads()
+    pt = PlainThreads(narrow, narrow + 1, epoch_s=60.0)
+    runner = ModelRunner(lm, _meta(lm, "target"), torch.device("cpu"), max_queue=8,
+                         max_batch=4, plain=pt)
+    engine = VerifierEngine(runner, SessionCaches(8, runner.new_kv), max_draft_tokens=8)
+    prompt = [1, 2, 3, 4, 5]
+    chain = greedy_chain(target, prompt, 8)
+
+    async def main():
+        first = await engine.verify(_call(prompt, 0, drafts=chain[:3]))
+        held = [*prompt, *chain[:first.num_accepted]]
+        plain = await engine.verify(_call([*held, first.extra_token], len(held), max_tokens=4))
+        return first, plain
+
+    first, plain = asyncio.run(main())
+    assert [first.extra_token, *plain.more][:1] == [chain[first.num_accepted]]
+    got = [*chain[:first.num_accepted], first.extra_token, plain.extra_token, *plain.more]
+    assert got == chain[:len(got)]
+    drafted = [threads for threads, drafts in lm.passes if drafts]
+    undrafted = [threads for threads, drafts in lm.passes if not drafts]
+    assert drafted == [narrow]
+    assert undrafted == [narrow + 1] * 4
+    assert pt.passes == {narrow: 0, narrow + 1: 4}
+    assert torch.get_num_threads() == narrow  # put back after each pass
+
+
+def test_a_verifier_exports_its_choice_and_its_plain_passes():
+    """What an operator reads to see which way the verifier runs passes without drafts:
+    per batch level the threads kept, and the passes run on each count."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from services.metrics import ModelServiceMetrics
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    pt = PlainThreads(1, 2, epoch_s=0.05, min_passes=4)
+    ModelServiceMetrics(meter, "verifier", queue_depth=lambda: 0, sessions=lambda: 0,
+                        kv_bytes=lambda: 0, kv_capacity_bytes=lambda: 0, plain=pt)
+    chosen = _serve(pt, lambda threads: 10.0 if threads == 2 else 14.0, rows=8)
+
+    def read(name: str) -> dict[str, float]:
+        return {next(iter(p.attributes.values())): p.value
+                for rm in reader.get_metrics_data().resource_metrics
+                for sm in rm.scope_metrics for m in sm.metrics if m.name == name
+                for p in m.data.data_points}
+
+    assert read("specmesh.verifier.plain_threads") == {4: 2}  # 8 sessions: level 4
+    assert read("specmesh.verifier.plain_passes") == {1: chosen.count(1), 2: chosen.count(2)}
+
+
+def test_wide_passes_must_serve_ten_percent_more_to_be_kept():
+    """Two threads cost a pass nearly twice the CPU: 5% more throughput does not keep them."""
+    pt = PlainThreads(1, 2, epoch_s=0.05, min_passes=4)
+    _serve(pt, lambda threads: 10.0 / 1.05 if threads == 2 else 10.0)
+    assert pt.current == 1
