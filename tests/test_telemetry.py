@@ -275,8 +275,8 @@ def test_a_round_under_an_unrecorded_request_starts_no_span_and_logs_the_request
     from gateway.telemetry import RequestTelemetry
 
     class Req:
-        class usage:  # noqa: N801 - the attribute a round span reads
-            rounds = 3
+        class rounds:  # noqa: N801 - the attribute a round span reads (its index)
+            index = 3
 
     for sampler, recorded in ((ALWAYS_ON, True), (ALWAYS_OFF, False)):
         tracer = TracerProvider(sampler=sampler).get_tracer("test")
