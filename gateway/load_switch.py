@@ -18,15 +18,13 @@ was cut to one token because its step also verified drafts (or fed a prompt): af
 drafting epoch the first plain rounds run beside the others' last drafted ones, and on the
 demo pair at 8 streams about one round in five of the first plain epoch was cut, which put
 that epoch at 0.85 of what the plain epochs after it measured, and drafting, 0.85 of plain in
-its steady epochs, kept winning. It keeps the better mode and
-tries the other one again after 2 epochs, then 4, 8 and 16 while the incumbent keeps
-winning (2, 8, 16 when the other mode reached less than 0.8 of its rate): with a 1.5x
-difference, 1 epoch in 17 costs about 2%. A tie goes to not drafting.
+its steady epochs, kept winning. How the better mode is kept and the other explored again,
+and that a tie goes to not drafting: services/epoch_switch.py, the mechanism this shares with
+a verifier's choice of threads.
 A load level seen for the first time starts from the nearest level's rates, mode and pace
 of exploring; the first level of all from what lone requests measured (draft_length.py), so
 that a gateway whose drafts did not pay for one request does not begin its first loaded
-epochs drafting. A switch whose first mode came from such evidence (``patient``) measures
-the other mode on the usual schedule, after ``first_explore`` epochs, not at once.
+epochs drafting (such a switch is ``patient``).
 """
 
 from __future__ import annotations

@@ -54,4 +54,3 @@ class RoundResult:
         sequence: its Verify step also fed a prompt or verified drafts, and so asked each of
         its calls for one token (gateway/replicas.py ``fit_verify_step``)."""
         return not self.drafted and 1 + len(self.more) < self.asked
-

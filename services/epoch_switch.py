@@ -15,7 +15,6 @@ Used by the gateway, whether loaded requests draft (gateway/load_switch.py), and
 verifier, whether its passes without drafts run on more threads (services/plain_threads.py).
 """
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ class EpochSwitch:
     on_margin: float = 1.0  # the mode that is on must beat the other's rate by this factor
     on: bool = True  # the mode of the current epoch
     patient: bool = False  # the first mode came from evidence: explore on schedule
-    rate: dict[bool, float] = field(default_factory=dict)  # tokens per request-second
+    rate: dict[bool, float] = field(default_factory=dict)  # per mode: tokens per second of cycles
     _exploring: bool = False  # this epoch tries the mode that is not the incumbent
     _every: int = 0
     _streak: int = 0
@@ -57,8 +56,7 @@ class EpochSwitch:
         return type(self)(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
                           first_explore=self.first_explore, max_explore=self.max_explore,
                           wide_margin=self.wide_margin, on_margin=self.on_margin, on=best,
-                          patient=True,
-                          rate=dict(self.rate), _every=self._every)
+                          patient=True, rate=dict(self.rate), _every=self._every)
 
     def mode(self, now: float) -> bool:
         """The mode of a unit of work starting ``now``. An epoch interrupted for longer

@@ -253,10 +253,10 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
             progress(f"redis       {mesh.redis_url}")
         threads = model_threads(os.cpu_count() or 1, spec.verifiers + spec.drafters)
         prefill = model_threads(os.cpu_count() or 1, spec.verifiers)
-        tiers = [("verifier", "verifier", spec.verifiers, spec.target,
-                  _with_threads(_with_threads(_with_threads(
-                      spec.extra_verifier_args, threads), prefill, "--prefill-threads"),
-                      prefill, "--plain-threads")),
+        verifier_args = _with_threads(spec.extra_verifier_args, threads)
+        for flag in ("--prefill-threads", "--plain-threads"):  # the cores verifiers share
+            verifier_args = _with_threads(verifier_args, prefill, flag)
+        tiers = [("verifier", "verifier", spec.verifiers, spec.target, verifier_args),
                  ("drafter", "drafter", spec.drafters, spec.draft,
                   _with_threads(spec.extra_drafter_args, threads)),
                  ("ngram", "drafter", spec.ngram_drafters, spec.target,

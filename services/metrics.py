@@ -176,8 +176,8 @@ class ModelServiceMetrics:
             _gauges(meter, f"specmesh.{kind}.plain_threads", "{thread}",
                     "torch threads kept for passes without drafts, per batch level (sessions "
                     "a pass 1: 1, 2-3: 2, 4-7: 3, ...), between explorations",
-                    lambda: [(plain.wide if s.incumbent else plain.narrow,
-                              {"batch_level": level}) for level, s in plain.switches.items()])
+                    lambda: [(plain.kept(level), {"batch_level": level})
+                             for level in plain.switches])
             _gauges(meter, f"specmesh.{kind}.plain_passes", "{pass}",
                     "Passes without drafts run so far, by the torch threads they ran on",
                     lambda: [(n, {"threads": threads}) for threads, n in plain.passes.items()],

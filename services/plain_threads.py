@@ -38,22 +38,31 @@ class PlainThreads:
                              f"threads ({narrow})")
         self.narrow, self.wide = narrow, wide
         self._epoch_s, self._min_passes = epoch_s, min_passes
-        # one switch per batch size level (1, 2-3, 4-7, 8-15, ... sessions): a pass's
-        # rate depends on how many sessions it carries
+        # one switch per batch size level: a pass's rate depends on how many sessions it carries
         self.switches: dict[int, EpochSwitch] = {}
         self._previous: tuple[float, int] | None = None  # the last plain pass: start, rows
-        self._incumbent: dict[int, bool] = {}
-        self._level = 1
+        self._logged: dict[int, bool] = {}  # per level, the choice last logged
         self.passes = {narrow: 0, wide: 0}  # plain passes run on each
+
+    @staticmethod
+    def level(rows: int) -> int:
+        """The batch size level of a pass of ``rows`` sessions: 1, 2-3, 4-7, 8-15, ... are
+        levels 1, 2, 3, 4, ..."""
+        return max(1, rows).bit_length()
 
     def switch(self, rows: int) -> EpochSwitch:
         """The switch of passes of ``rows`` sessions."""
-        level = max(1, rows).bit_length()
+        level = self.level(rows)
         found = self.switches.get(level)
         if found is None:
             found = self.switches[level] = EpochSwitch(
                 epoch_s=self._epoch_s, min_rounds=self._min_passes, on_margin=MIN_GAIN)
         return found
+
+    def kept(self, level: int) -> int:
+        """The threads kept between explorations for passes of batch size ``level``."""
+        switch = self.switches.get(level)
+        return self.wide if switch is not None and switch.incumbent else self.narrow
 
     def plain(self, now: float, rows: int) -> int:
         """Threads for a pass without drafts of ``rows`` sessions starting ``now``."""
@@ -61,10 +70,9 @@ class PlainThreads:
             started, n = self._previous
             self.switch(n).observe(started, now - started, n)
         switch = self.switch(rows)
-        wide = switch.mode(now)
-        self._previous, self._level = (now, rows), max(1, rows).bit_length()
-        self._log_change(switch)
-        threads = self.wide if wide else self.narrow
+        threads = self.wide if switch.mode(now) else self.narrow
+        self._previous = (now, rows)
+        self._log_change(self.level(rows), switch)
         self.passes[threads] += 1
         return threads
 
@@ -73,18 +81,12 @@ class PlainThreads:
         does not continue the last one's."""
         self._previous = None
 
-    @property
-    def current(self) -> int:
-        """The threads kept between explorations for passes like the latest plain one."""
-        switch = self.switches.get(self._level)
-        return self.wide if switch is not None and switch.incumbent else self.narrow
-
-    def _log_change(self, switch: EpochSwitch) -> None:
-        if len(switch.rate) < 2 or self._incumbent.get(self._level) == switch.incumbent:
+    def _log_change(self, level: int, switch: EpochSwitch) -> None:
+        if len(switch.rate) < 2 or self._logged.get(level) == switch.incumbent:
             return
-        self._incumbent[self._level] = switch.incumbent
-        low = 1 << (self._level - 1)
+        self._logged[level] = switch.incumbent
+        low = 1 << (level - 1)
         log.info("passes without drafts of %d-%d sessions now run on %d torch threads "
                  "(session-tokens per second: %.0f on %d, %.0f on %d)", low, 2 * low - 1,
-                 self.wide if switch.incumbent else self.narrow,
-                 switch.rate[True], self.wide, switch.rate[False], self.narrow)
+                 self.kept(level), switch.rate[True], self.wide, switch.rate[False],
+                 self.narrow)
