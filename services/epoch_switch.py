@@ -11,6 +11,12 @@ with ``on_margin`` above 1 the mode that is on must win by that factor.
 A switch whose first mode came from evidence (``patient``) measures the other mode on the
 usual schedule, after ``first_explore`` epochs, not at once.
 
+Modes are compared only when the other one has just run: an explored epoch's own rate
+against the incumbent's latest average. Rates drift under load (each pass attends over more
+positions as contexts grow: at 16 streams a verifier's rate fell by a third within one
+512-token bench cell), and the incumbent's falling average weighed against the other mode's
+rate from epochs earlier switched to the worse mode on the drift alone.
+
 Used by the gateway, whether loaded requests draft (gateway/load_switch.py), and by a
 verifier, whether its passes without drafts run on more threads (services/plain_threads.py).
 """
@@ -52,10 +58,10 @@ class EpochSwitch:
     def seeded(self) -> EpochSwitch:
         """A switch for another level of load that starts from this one's rates, mode and pace
         of exploring (so it does not begin by running the worse mode for an epoch)."""
-        best = self._on_wins() if len(self.rate) == 2 else self.incumbent
         return type(self)(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
                           first_explore=self.first_explore, max_explore=self.max_explore,
-                          wide_margin=self.wide_margin, on_margin=self.on_margin, on=best,
+                          wide_margin=self.wide_margin, on_margin=self.on_margin,
+                          on=self.incumbent,
                           patient=True, rate=dict(self.rate), _every=self._every)
 
     def mode(self, now: float) -> bool:
@@ -85,30 +91,30 @@ class EpochSwitch:
     def _end_epoch(self) -> None:
         mode, rate = self.on, self._tokens / self._busy_s
         old = self.rate.get(mode)
-        self.rate[mode] = rate if old is None else (1 - self.weight) * old + self.weight * rate
-        if (not mode) not in self.rate:
-            if not self.patient:  # the other mode was never measured: now
-                self._exploring, self.on = True, not mode
-                return
-            best = mode  # (evidence chose it: the other is measured on schedule)
-        else:
-            best = self._on_wins()
-            if old is None and not self.patient:  # both measured once: the better begins
-                self._exploring, self.on = False, best
-                return
+        # A mode's average runs over its consecutive epochs only: a rate from before the other
+        # mode's epochs is stale (rates drift as contexts grow), so an explored mode is judged
+        # by its own epoch against the incumbent's latest average
+        self.rate[mode] = (rate if old is None or self._exploring
+                           else (1 - self.weight) * old + self.weight * rate)
+        if (not mode) not in self.rate and not self.patient:
+            self._exploring, self.on = True, not mode  # the other mode never measured: now
+            return
+        if old is None and len(self.rate) == 2 and not self.patient:
+            self._exploring, self.on = False, self._on_wins()  # both measured: the better begins
+            return
         if self._exploring:
+            best = self._on_wins()
             # A mode that lost by a wide margin is tried again later than one that nearly won
             wide = min(self.rate.values()) < self.wide_margin * max(self.rate.values())
             self._every = (min(self.max_explore, (4 if wide else 2) * self._every)
                            if best == self.incumbent else self.first_explore)
             self._exploring, self._streak, self.on = False, 0, best
             return
+        # Between explorations the incumbent stays: the other mode's rate is as old as its last
+        # epoch, and weighing the incumbent's drifting rate against it switched on the drift
         self._streak += 1
         if self._streak >= self._every:
-            self._exploring, self._streak = True, 0
-            self.on = not best
-        else:
-            self.on = best
+            self._exploring, self._streak, self.on = True, 0, not mode
 
     def _on_wins(self) -> bool:
         return self.rate[True] > self.on_margin * self.rate[False]

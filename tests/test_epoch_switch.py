@@ -1,0 +1,80 @@
+"""The epoch switch shared by the gateway's load switch and a verifier's plain threads
+(services/epoch_switch.py), where rates drift: pure logic on a simulated clock.
+
+Under load a mode's rate is not constant: as a cell's contexts grow, each pass attends over
+more positions, and on the demo pair at 16 streams a verifier's session-tokens per second
+fell from 1265 to 844 within one 512-token bench cell (docs/performance.md). A switch that
+weighs the incumbent's current average against the other mode's rate from epochs ago
+takes that drift for a difference between the modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.epoch_switch import EpochSwitch
+
+
+def _epoch(switch: EpochSwitch, start: float, rate: float) -> bool:
+    """One epoch of 0.5 s from ``start`` at ``rate`` tokens per second (ten units of 50 ms);
+    the mode it ran. (An epoch is rated when the next one begins.)"""
+    mode = switch.mode(start)
+    for i in range(10):
+        switch.mode(start + 0.05 * i)
+        switch.observe(start + 0.05 * i, 0.05, rate * 0.05)
+    return mode
+
+
+def test_between_explorations_the_incumbent_stays_while_its_rate_drifts_below_the_others():
+    """Both modes slow down as contexts grow: the incumbent's epochs measure that, the
+    other mode's last rate does not, and that is no reason to switch."""
+    switch = EpochSwitch()
+    assert _epoch(switch, 0.0, 100.0) is True
+    assert _epoch(switch, 0.5, 90.0) is False  # the other mode, measured once
+    assert _epoch(switch, 1.0, 70.0) is True  # 100 against 90: the better one kept
+    # its average (100 + 70) / 2 = 85 is now below the other's 90 from two epochs ago
+    assert _epoch(switch, 1.5, 66.0) is True
+    assert switch.rate == pytest.approx({True: 85.0, False: 90.0})
+    assert switch.seeded().on is True  # a new load level starts from the kept mode too
+    # the other mode is tried again on schedule (after 2 epochs) ...
+    assert _epoch(switch, 2.0, 60.0) is False
+    assert switch.rate[True] == pytest.approx(75.5)
+    # ... and judged by its own epoch, not one averaged with the stale 90
+    assert _epoch(switch, 2.5, 65.0) is True
+    assert switch.rate[False] == pytest.approx(60.0)
+
+
+def test_an_explored_mode_that_is_better_now_wins_though_its_old_rate_was_lower():
+    """Rates that rise (load arriving): the other mode's old rate understates it."""
+    switch = EpochSwitch()
+    _epoch(switch, 0.0, 50.0)
+    _epoch(switch, 0.5, 45.0)
+    assert _epoch(switch, 1.0, 60.0) is True
+    assert _epoch(switch, 1.5, 70.0) is True
+    assert _epoch(switch, 2.0, 75.0) is False  # explored on schedule
+    assert switch.rate[True] == pytest.approx(62.5)
+    # 75 against the incumbent's 62.5 (averaged with the old 45 it would have been 60)
+    assert _epoch(switch, 2.5, 75.0) is False
+    assert switch.rate[False] == pytest.approx(75.0)
+
+
+def _share_on(ratio: float, seconds: float = 60.0) -> float:
+    """The share of 50 ms units run in the ``on`` mode after the first two epochs, in a
+    world of 15 s cells whose rates fall by 40% from start to end (contexts growing), the
+    mode that is off yielding ``ratio`` times what the one that is on does."""
+    switch, t, modes = EpochSwitch(), 0.0, []
+    while t < seconds:
+        mode = switch.mode(t)
+        modes.append(mode)
+        rate = 100.0 * (1 - 0.4 * (t % 15.0) / 15.0) * (1.0 if mode else ratio)
+        switch.observe(t, 0.05, rate * 0.05)
+        t += 0.05
+    return sum(modes[20:]) / len(modes[20:])
+
+
+def test_modes_five_percent_apart_keep_the_better_one_through_the_drift():
+    """A comparison with stale rates ran the worse mode 43% of the time here (weighing the
+    incumbent's falling average against the other's older, higher rate); only explorations
+    should run it, 1 epoch in 3 at most while the switch learns the drift anew each cell."""
+    assert _share_on(0.95) >= 0.85
+    assert _share_on(1.05) <= 0.15
+    assert _share_on(0.8) >= 0.9  # a wide gap: explored less often
