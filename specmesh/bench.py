@@ -32,7 +32,15 @@ from specmesh import bench_baselines, bench_report
 from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, model_info
 from specmesh.bench_gateway import run_level, stream_one_client
 from specmesh.bench_machine import ProcessCpu, count_params, machine_info, wait_quiet
-from specmesh.bench_modes import HF_KEYS, MODE_KEYS, TARGET_KEY, Mode, hf_threads, make_modes
+from specmesh.bench_modes import (
+    DEFAULT_MODE_KEYS,
+    HF_KEYS,
+    MODE_KEYS,
+    TARGET_KEY,
+    Mode,
+    hf_threads,
+    make_modes,
+)
 from specmesh.bench_peers import Peer, parse_peers, run_peer_level, served_model
 from specmesh.up_cli import default_pair
 
@@ -144,7 +152,8 @@ def run_hf_rows(pair: tuple[str, str], modes: list[Mode], texts: list[str], opts
     from specmesh.bench_hf import HfSetting, run_hf
 
     labels = {m.key: m.label for m in modes}
-    results = run_hf(*pair, texts, [HfSetting(m.key, m.assistant, m.k) for m in modes],
+    results = run_hf(*pair, texts, [HfSetting(m.key, m.assistant, m.k, m.static_cache)
+                                       for m in modes],
                      max_new_tokens=opts.max_new_tokens,
                      threads=hf_threads(opts.threads, os.cpu_count()), device=opts.device,
                      seed=opts.seed,
@@ -207,7 +216,9 @@ def bench(
                                                           "of specmesh/bench_prompts.json.")
                            ] = None,
     modes: Annotated[str, typer.Option(help="Comma-separated, of: " + ", ".join(MODE_KEYS)
-                                            + ".")] = ",".join(MODE_KEYS),
+                                            + " (hf-static: plain generate with a static "
+                                            "cache; worth a row on a GPU).")
+                     ] = ",".join(DEFAULT_MODE_KEYS),
     no_hf: Annotated[bool, typer.Option("--no-hf", help="Skip the in-process HF rows ("
                                         + ", ".join(HF_KEYS) + ").")] = False,
     threads: Annotated[int, typer.Option(min=0, help="torch threads of each drafter and verifier "

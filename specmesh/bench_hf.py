@@ -5,6 +5,7 @@ another (concurrency 1: assisted generation supports batch size 1 only).
 One loop, ``generate_set``, runs every setting (``HfSetting``):
 
 * plain (``hf-plain``): ``target.generate(..., do_sample=False)``, no assistant;
+* plain with a static cache (``hf-static``): the same with ``cache_implementation="static"``;
 * assisted with a fixed k (``hf``): ``assistant_model=draft`` with the assistant's generation
   config set to ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"`` and
   ``assistant_confidence_threshold=0`` (a threshold > 0 stops drafting early when the draft is
@@ -38,6 +39,7 @@ class HfSetting:
     key: str  # the bench's mode key
     assistant: bool = False  # with the draft as assistant
     k: int = 0  # with the assistant: a fixed k; 0 = the assistant's config as saved
+    static_cache: bool = False  # plain generate with cache_implementation="static"
 
 
 @dataclass
@@ -137,16 +139,20 @@ def _quiet_threads(threads: int) -> Iterator[None]:
 
 
 def generate_set(target, tok, prompts: list[str], *, draft=None, max_new_tokens: int,
-                 device: str = "cpu", warmup: bool = True,
+                 device: str = "cpu", warmup: bool = True, static_cache: bool = False,
                  progress: Callable[[], None] | None = None) -> HfResult:
-    """Every prompt once, one after another, greedy: plain generate without ``draft``, assisted
-    generation with it (under the draft's generation config as it is now)."""
+    """Every prompt once, one after another, greedy: plain generate without ``draft`` (with a
+    static KV cache if ``static_cache``), assisted generation with it (under the draft's
+    generation config as it is now)."""
     import torch
 
+    if static_cache and draft is not None:
+        raise ValueError("a static cache is measured for plain generate only")
     eos = target.generation_config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (
         eos[0] if isinstance(eos, list) else eos)
-    extra = {"assistant_model": draft} if draft is not None else {}
+    extra = ({"assistant_model": draft} if draft is not None
+             else {"cache_implementation": "static"} if static_cache else {})
 
     def generate(prompt: str, n: int, clock=None):
         enc = tok(prompt, return_tensors="pt").to(device)
@@ -219,7 +225,7 @@ def run_hf(target_path: str, draft_path: str | None, prompts: list[str],
                 results[s.key] = generate_set(
                     target, tok, prompts, draft=draft if s.assistant else None,
                     max_new_tokens=max_new_tokens, device=device, warmup=warmup,
-                    progress=progress(s) if progress else None)
+                    static_cache=s.static_cache, progress=progress(s) if progress else None)
             finally:
                 if draft is not None:
                     draft.generation_config = saved

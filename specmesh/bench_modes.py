@@ -14,6 +14,11 @@ Through the gateway (one row per concurrency level):
 In the bench process, at concurrency 1 (specmesh.bench_hf):
 
 * ``hf-plain``: the target's own ``generate(do_sample=False)``, no assistant: the speedup base;
+* ``hf-static``: the same with a static KV cache (``cache_implementation="static"``), the
+  first thing transformers' guide to faster inference suggests. Not among the default modes:
+  on these CPUs it runs as fast as ``hf-plain``; on a GPU, where each decode step is bound by
+  launching kernels and the dynamic cache's bookkeeping, it ran 3.2x as fast (an H200,
+  docs/performance.md), so a GPU run should include it;
 * ``hf``: transformers' assisted generation with the draft as assistant and a fixed k;
 * ``hf-default``: assisted generation with the assistant's generation_config as saved, i.e.
   transformers' defaults unless the draft's config sets them.
@@ -23,8 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODE_KEYS = ("target", "model", "default", "ngram", "hf-plain", "hf", "hf-default")
-HF_KEYS = ("hf-plain", "hf", "hf-default")  # in the bench process, concurrency 1
+MODE_KEYS = ("target", "model", "default", "ngram", "hf-plain", "hf-static", "hf",
+             "hf-default")
+DEFAULT_MODE_KEYS = tuple(key for key in MODE_KEYS if key != "hf-static")  # --modes default
+HF_KEYS = ("hf-plain", "hf-static", "hf", "hf-default")  # in the bench process, concurrency 1
 TARGET_KEY = "target"
 PLAIN_KEY = "hf-plain"
 ASSISTED_KEYS = ("hf", "hf-default")
@@ -39,6 +46,7 @@ class Mode:
     drafter: str = ""  # speculation.drafter
     k: int = 0  # draft tokens per round; 0 = the gateway's default (hf-default: HF's own)
     assistant: bool = False  # an HF row with the draft as assistant
+    static_cache: bool = False  # an HF row with cache_implementation="static"
 
     @property
     def in_process(self) -> bool:
@@ -54,6 +62,8 @@ def make_modes(keys: list[str], k: int) -> list[Mode]:
              "default": Mode("default", "SpecMesh (gateway defaults)", drafter="model"),
              "ngram": Mode("ngram", f"SpecMesh ngram k={k}", drafter="ngram", k=k),
              "hf-plain": Mode("hf-plain", "HF generate (plain, no assistant)"),
+             "hf-static": Mode("hf-static", "HF generate (plain, static cache)",
+                               static_cache=True),
              "hf": Mode("hf", f"HF assisted k={k}", k=k, assistant=True),
              "hf-default": Mode("hf-default", "HF assisted (HF defaults)", assistant=True)}
     return [table[key] for key in MODE_KEYS if key in keys]

@@ -15,7 +15,13 @@ from specmesh.bench_baselines import (
     targets,
 )
 from specmesh.bench_costs import cache_hit, gateway_figures
-from specmesh.bench_modes import MODE_KEYS, hf_threads, hf_threads_note, make_modes
+from specmesh.bench_modes import (
+    DEFAULT_MODE_KEYS,
+    MODE_KEYS,
+    hf_threads,
+    hf_threads_note,
+    make_modes,
+)
 from specmesh.bench_report import row_cells, run_notes
 
 
@@ -230,8 +236,12 @@ def test_the_modes():
     assert modes["default"].label == "SpecMesh (gateway defaults)"
     assert modes["model"].k == 4 and modes["hf"].k == 4 and modes["hf"].assistant
     assert modes["hf-default"].assistant and modes["hf-default"].k == 0
-    assert not modes["hf-plain"].assistant
-    assert [m.key for m in modes.values() if m.in_process] == ["hf-plain", "hf", "hf-default"]
+    assert not modes["hf-plain"].assistant and not modes["hf-plain"].static_cache
+    assert modes["hf-static"].static_cache and not modes["hf-static"].assistant
+    assert [m.key for m in modes.values() if m.in_process] == ["hf-plain", "hf-static", "hf",
+                                                                "hf-default"]
+    # --modes by default: every mode but the static cache's (as fast as plain on a CPU)
+    assert DEFAULT_MODE_KEYS == tuple(k for k in MODE_KEYS if k != "hf-static")
     assert "serving-path overhead" in modes["target"].label and modes["target"].disable
 
 

@@ -1,12 +1,12 @@
 """`specmesh bench`'s in-process HF rows on the tiny pair: plain generate gives the target's own
-greedy token ids, assisted generation (fixed k and HF's defaults) gives the same ones, the
-counts add up, and the draft's generation config is left as it was."""
+greedy token ids, on a static cache too, assisted generation (fixed k and HF's defaults) gives
+the same ones, the counts add up, and the draft's generation config is left as it was."""
 
 from __future__ import annotations
 
 import pytest
 
-from specmesh.bench_hf import HfSetting, run_hf
+from specmesh.bench_hf import HfSetting, generate_set, run_hf
 
 PROMPTS = ["def add(a, b):\n    return", "import os\n\nclass Path:"]
 MAX_NEW = 12
@@ -73,3 +73,21 @@ def test_an_assisted_setting_needs_a_draft(tiny_pair):
     with pytest.raises(ValueError, match="needs a draft"):
         run_hf(tiny_pair[0], None, PROMPTS[:1], [HfSetting("hf", assistant=True, k=2)],
                max_new_tokens=2, threads=1, warmup=False)
+
+
+def test_the_static_cache_row_runs_on_a_static_cache_and_gives_the_same_ids(target_model):
+    """``hf-static``: every forward of its generate gets transformers' StaticCache."""
+    model, tok = target_model
+    caches = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: caches.append(type(kwargs.get("past_key_values")).__name__),
+        with_kwargs=True)
+    try:
+        res = generate_set(model, tok, PROMPTS, max_new_tokens=MAX_NEW, warmup=False,
+                           static_cache=True)
+    finally:
+        hook.remove()
+    assert caches and set(caches) == {"StaticCache"}
+    assert [r["token_ids"] for r in res.records] == [_greedy(model, tok, p) for p in PROMPTS]
+    with pytest.raises(ValueError, match="plain generate only"):
+        generate_set(model, tok, PROMPTS, draft=model, max_new_tokens=2, static_cache=True)
