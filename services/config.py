@@ -232,7 +232,7 @@ class GatewayConfig:
     spec_fanout: int = 16  # most branches of the speculation cache per round
     spec_max_requests: int = 1  # trees only while the gateway runs at most this many requests
     step_batching: bool = True  # Draft/Verify calls made meanwhile go as one RPC per step
-    plain_tokens: int = 4  # a round without drafts asks the verifier for up to this many tokens
+    plain_tokens: int = 8  # a round without drafts asks the verifier for up to this many tokens
     prefix_affinity: int = 4  # a new session goes to the replica caching most of its prompt
     #                           while it runs at most this many more requests than the least
     #                           busy one (-1: routing by load alone)

@@ -194,7 +194,7 @@ def gateway(
         help="A round without drafts (target-only, or while drafts do not pay) asks the "
              "verifier for up to this many tokens, decoded one forward pass each without a "
              "call between them; its chunk carries them all. A request's first round "
-             "decodes one (its time to the first token). 1: a call per token.")] = 4,
+             "decodes one (its time to the first token). 1: a call per token.")] = 8,
     spec_fanout: Annotated[int, typer.Option(
         envvar="SPECMESH_SPEC_FANOUT", min=1, max=64,
         help="Most branches (outcomes) the speculation cache drafts per round, while the "

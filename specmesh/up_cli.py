@@ -95,7 +95,7 @@ def up(
              "(default on).")] = None,
     plain_tokens: Annotated[int | None, typer.Option(
         min=1, max=64, help="Gateway: tokens a round without drafts asks the verifier for "
-                            "(default 4; 1: a call per token).")] = None,
+                            "(default 8; 1: a call per token).")] = None,
     default_drafter_kind: Annotated[str | None, typer.Option(
         help="Gateway: drafter kind for requests that name none (model or ngram).")] = None,
     default_max_new_tokens: Annotated[int | None, typer.Option(

@@ -299,8 +299,8 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
             assert by["verifier-0"] > 0 and by["gateway"] > 0
         else:
             assert r.get("cpu_ms_per_token") is None
-    for c in (1, 2):  # one token in a request's first round, up to 4 (--plain-tokens) after
-        assert 1.0 < rows[("target", c)]["tokens_per_round"] <= 4.0
+    for c in (1, 2):  # one token in a request's first round, up to 8 (--plain-tokens) after
+        assert 1.0 < rows[("target", c)]["tokens_per_round"] <= 8.0
         assert rows[("target", c)]["vs_target"] == 1.0
     assert plain["speedup"] == 1.0 and plain["tokens_per_round"] == 1.0
     assert rows[("hf-default", 1)]["hf_assistant"] == {

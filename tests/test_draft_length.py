@@ -209,7 +209,7 @@ def test_loaded_epochs_begin_with_what_lone_requests_found():
 
 
 def test_with_plain_rounds_of_several_tokens_loaded_epochs_begin_without_drafts():
-    """--plain-tokens 4 (the default): the first loaded epochs go without drafts even where
+    """--plain-tokens above 1 (8 by default): the first loaded epochs go without drafts even where
     lone requests found that drafts pay (their plain rounds were one-token probes), and
     drafting is measured after 2 epochs; where it pays, it is then kept."""
     dls = []

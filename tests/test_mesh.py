@@ -51,7 +51,7 @@ def test_greedy_output_equals_hf_generate_for_many_prompts(client, target_model)
 
 def test_speculation_disabled_is_target_only_with_same_output(client, target_model):
     """Target-only: HF's tokens, the first round one token (its time to the first token),
-    every later one up to --plain-tokens (4 by default) from one verifier call."""
+    every later one up to --plain-tokens (8 by default) from one verifier call."""
     model, tokenizer = target_model
     prompt = PROMPTS[0]
     request = build_request(prompt, max_new_tokens=20, disable_speculation=True)
@@ -59,9 +59,9 @@ def test_speculation_disabled_is_target_only_with_same_output(client, target_mod
     assert list(reply.token_ids) == hf_greedy(model, tokenizer(prompt)["input_ids"], 20)
     assert reply.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
     assert reply.usage.draft_tokens == 0
-    assert reply.usage.rounds == 1 + 5  # 1 + 4 + 4 + 4 + 4 + 3
+    assert reply.usage.rounds == 1 + 3  # 1 + 8 + 8 + 3
     chunks = list(client.stream(request))
-    assert [len(c.token_ids) for c in chunks] == [1, 4, 4, 4, 4, 3]
+    assert [len(c.token_ids) for c in chunks] == [1, 8, 8, 3]
     assert [t for c in chunks for t in c.token_ids] == list(reply.token_ids)
 
 
