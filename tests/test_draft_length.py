@@ -5,7 +5,9 @@ pool's one drafter has no channel)."""
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -375,3 +377,19 @@ def test_target_only_requests_merge_whatever_the_switch_keeps():
     for may in (*plain, again):
         dl.ended(may)
     assert dl._may_draft == 0
+
+
+def test_the_gateway_logs_what_its_load_switch_keeps(caplog):
+    """One line when a load level's switch changes what it keeps, with the rates it
+    measured: not once a round."""
+    caplog.set_level(logging.INFO, logger="gateway.draft_length")
+    _population(0.15, plain_ms=31.0, spec_ms=53.0, seconds=6.0)
+    lines = [r.getMessage() for r in caplog.records if "rounds now" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("model drafter, 8-15 requests in flight: rounds now do not draft")
+    drafting, plain = (float(x) for x in re.findall(r"([0-9.]+) (?:drafting|not)\)?", lines[0]))
+    assert drafting < plain  # the rates that chose it
+    caplog.clear()
+    _population(0.65, plain_ms=28.0, spec_ms=38.0, seconds=6.0)
+    lines = [r.getMessage() for r in caplog.records if "rounds now" in r.getMessage()]
+    assert len(lines) == 1 and "rounds now draft (" in lines[0], lines
