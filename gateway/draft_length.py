@@ -173,7 +173,8 @@ class DraftLength:
         """Logs what the load switch of ``key`` (drafter kind, load level) keeps when that
         changes, once both modes were measured: an operator sees when and why loaded
         requests stopped or started drafting."""
-        if len(switch.rate) < 2 or self._logged.get(key) == switch.incumbent:
+        if (len(switch.rate) < 2 or switch.exploring
+                or self._logged.get(key) == switch.incumbent):
             return
         self._logged[key] = switch.incumbent
         kind, low = key[0], 1 << key[1]

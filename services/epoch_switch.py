@@ -12,7 +12,8 @@ A switch whose first mode came from evidence (``patient``) measures the other mo
 usual schedule, after ``first_explore`` epochs, not at once.
 
 Modes are compared only when the other one has just run: an explored epoch's own rate
-against the incumbent's latest average. Rates drift under load (each pass attends over more
+against the incumbent's latest average, and an explored mode that wins runs one more epoch,
+kept only if the two epochs' average wins too. Rates drift under load (each pass attends over more
 positions as contexts grow: at 16 streams a verifier's rate fell by a third within one
 512-token bench cell), and the incumbent's falling average weighed against the other mode's
 rate from epochs earlier switched to the worse mode on the drift alone.
@@ -39,6 +40,7 @@ class EpochSwitch:
     patient: bool = False  # the first mode came from evidence: explore on schedule
     rate: dict[bool, float] = field(default_factory=dict)  # per mode: tokens per second of cycles
     _exploring: bool = False  # this epoch tries the mode that is not the incumbent
+    _confirming: bool = False  # ... for a second epoch, after it won the first
     _every: int = 0
     _streak: int = 0
     _start: float | None = None
@@ -54,6 +56,11 @@ class EpochSwitch:
     def incumbent(self) -> bool:
         """The mode kept between explorations."""
         return self.on != self._exploring
+
+    @property
+    def exploring(self) -> bool:
+        """This epoch tries (or confirms) the mode that is not the incumbent."""
+        return self._exploring
 
     def seeded(self) -> EpochSwitch:
         """A switch for another level of load that starts from this one's rates, mode and pace
@@ -94,7 +101,8 @@ class EpochSwitch:
         # A mode's average runs over its consecutive epochs only: a rate from before the other
         # mode's epochs is stale (rates drift as contexts grow), so an explored mode is judged
         # by its own epoch against the incumbent's latest average
-        self.rate[mode] = (rate if old is None or self._exploring
+        # (a confirming epoch averages with the explored one before it)
+        self.rate[mode] = (rate if old is None or (self._exploring and not self._confirming)
                            else (1 - self.weight) * old + self.weight * rate)
         if (not mode) not in self.rate and not self.patient:
             self._exploring, self.on = True, not mode  # the other mode never measured: now
@@ -104,6 +112,13 @@ class EpochSwitch:
             return
         if self._exploring:
             best = self._on_wins()
+            if best != self.incumbent and not self._confirming:
+                # It won one epoch: one more of it confirms before it is kept, so that one
+                # epoch's luck (a cell's start, a burst on the other cores) does not hand it
+                # the next ``first_explore`` epochs
+                self._confirming = True
+                return
+            self._confirming = False
             # A mode that lost by a wide margin is tried again later than one that nearly won
             wide = min(self.rate.values()) < self.wide_margin * max(self.rate.values())
             self._every = (min(self.max_explore, (4 if wide else 2) * self._every)

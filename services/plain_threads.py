@@ -82,7 +82,8 @@ class PlainThreads:
         self._previous = None
 
     def _log_change(self, level: int, switch: EpochSwitch) -> None:
-        if len(switch.rate) < 2 or self._logged.get(level) == switch.incumbent:
+        if (len(switch.rate) < 2 or switch.exploring
+                or self._logged.get(level) == switch.incumbent):
             return
         self._logged[level] = switch.incumbent
         low = 1 << (level - 1)

@@ -52,9 +52,28 @@ def test_an_explored_mode_that_is_better_now_wins_though_its_old_rate_was_lower(
     assert _epoch(switch, 1.5, 70.0) is True
     assert _epoch(switch, 2.0, 75.0) is False  # explored on schedule
     assert switch.rate[True] == pytest.approx(62.5)
-    # 75 against the incumbent's 62.5 (averaged with the old 45 it would have been 60)
+    # 75 against the incumbent's 62.5 (averaged with the old 45 it would have been 60): it
+    # runs one more epoch to confirm, and is kept
     assert _epoch(switch, 2.5, 75.0) is False
-    assert switch.rate[False] == pytest.approx(75.0)
+    assert switch.rate[False] == pytest.approx(75.0) and switch.exploring
+    assert _epoch(switch, 3.0, 80.0) is False
+    assert switch.incumbent is False and not switch.exploring
+
+
+def test_an_explored_mode_that_wins_one_lucky_epoch_is_not_kept():
+    """One epoch's rate is noisy (a bench cell's first rounds, a burst on the other cores):
+    an explored mode that wins it runs one more epoch and is kept only if the two epochs'
+    average wins too."""
+    switch = EpochSwitch()
+    _epoch(switch, 0.0, 100.0)
+    _epoch(switch, 0.5, 60.0)
+    assert _epoch(switch, 1.0, 100.0) is True  # 100 against 60
+    assert _epoch(switch, 1.5, 100.0) is True
+    assert _epoch(switch, 2.0, 110.0) is False  # explored on schedule: a lucky epoch
+    assert _epoch(switch, 2.5, 50.0) is False  # 110 against 100: confirming
+    assert switch.incumbent is True and switch.exploring
+    assert _epoch(switch, 3.0, 100.0) is True  # (110 + 50) / 2 = 80 against 100: not kept
+    assert switch.rate[False] == pytest.approx(80.0) and not switch.exploring
 
 
 def _share_on(ratio: float, seconds: float = 60.0) -> float:
