@@ -12,11 +12,12 @@ A switch whose first mode came from evidence (``patient``) measures the other mo
 usual schedule, after ``first_explore`` epochs, not at once.
 
 Modes are compared only when the other one has just run: an explored epoch's own rate
-against the incumbent's latest average, and an explored mode that wins runs one more epoch,
-kept only if the two epochs' average wins too. Rates drift under load (each pass attends over more
+against the incumbent's latest average. Rates drift under load (each pass attends over more
 positions as contexts grow: at 16 streams a verifier's rate fell by a third within one
 512-token bench cell), and the incumbent's falling average weighed against the other mode's
-rate from epochs earlier switched to the worse mode on the drift alone.
+rate from epochs earlier switched to the worse mode on the drift alone. An explored mode
+that wins runs one more epoch and is kept only if the two epochs' average wins too: one
+epoch's luck would otherwise hand it the next ``first_explore`` epochs.
 
 Used by the gateway, whether loaded requests draft (gateway/load_switch.py), and by a
 verifier, whether its passes without drafts run on more threads (services/plain_threads.py).
