@@ -52,7 +52,6 @@ class DraftLength:
         self.costs: dict[tuple[str, int, int], CostModel] = {}
         self.acceptance: dict[str, AcceptanceCounts] = {}  # per drafter kind
         self._may_draft = 0  # requests in flight that may draft (``running``/``ended``)
-        self._logged: dict[tuple[str, int], bool] = {}  # per switch, the choice last logged
 
     def kind(self, spec) -> str:
         """The request's drafter kind, else the default, else whichever kind there is."""
@@ -100,7 +99,8 @@ class DraftLength:
             # (gateway/load_switch.py): one request's round times cannot tell.
             switch = self._switch(kind, req)
             k = only if switch.mode(self._clock()) else 0
-            self._log_change((kind, self._level()), switch)
+            if switch.kept_changed():
+                self._log_kept(kind, switch)
         elif not k or only:
             rounds = req.rounds
             if rounds.adaptive is None:
@@ -169,15 +169,10 @@ class DraftLength:
             self.switches[(kind, level)] = switch
         return switch
 
-    def _log_change(self, key: tuple[str, int], switch: LoadSwitch) -> None:
-        """Logs what the load switch of ``key`` (drafter kind, load level) keeps when that
-        changes, once both modes were measured: an operator sees when and why loaded
-        requests stopped or started drafting."""
-        if (len(switch.rate) < 2 or switch.exploring
-                or self._logged.get(key) == switch.incumbent):
-            return
-        self._logged[key] = switch.incumbent
-        kind, low = key[0], 1 << key[1]
+    def _log_kept(self, kind: str, switch: LoadSwitch) -> None:
+        """Logs what the current load level's switch now keeps: an operator sees when and
+        why loaded requests stopped or started drafting."""
+        low = 1 << self._level()
         log.info("%s drafter, %d-%d requests in flight: rounds now %s (tokens per "
                  "request-second: %.1f drafting, %.1f not)", kind, low, 2 * low - 1,
                  "draft" if switch.incumbent else "do not draft", switch.rate[True],

@@ -42,6 +42,7 @@ class EpochSwitch:
     rate: dict[bool, float] = field(default_factory=dict)  # per mode: tokens per second of cycles
     _exploring: bool = False  # this epoch tries the mode that is not the incumbent
     _confirming: bool = False  # ... for a second epoch, after it won the first
+    _reported: bool | None = None  # the kept mode ``kept_changed`` last reported
     _every: int = 0
     _streak: int = 0
     _start: float | None = None
@@ -62,6 +63,14 @@ class EpochSwitch:
     def exploring(self) -> bool:
         """This epoch tries (or confirms) the mode that is not the incumbent."""
         return self._exploring
+
+    def kept_changed(self) -> bool:
+        """True once each time the kept mode changes, counted from when both modes were
+        measured and never during an exploration: the caller's cue to log the choice."""
+        if len(self.rate) < 2 or self._exploring or self._reported == self.incumbent:
+            return False
+        self._reported = self.incumbent
+        return True
 
     def seeded(self) -> EpochSwitch:
         """A switch for another level of load that starts from this one's rates, mode and pace

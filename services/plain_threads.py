@@ -41,7 +41,6 @@ class PlainThreads:
         # one switch per batch size level: a pass's rate depends on how many sessions it carries
         self.switches: dict[int, EpochSwitch] = {}
         self._previous: tuple[float, int] | None = None  # the last plain pass: start, rows
-        self._logged: dict[int, bool] = {}  # per level, the choice last logged
         self.passes = {narrow: 0, wide: 0}  # plain passes run on each
 
     @staticmethod
@@ -72,7 +71,8 @@ class PlainThreads:
         switch = self.switch(rows)
         threads = self.wide if switch.mode(now) else self.narrow
         self._previous = (now, rows)
-        self._log_change(self.level(rows), switch)
+        if switch.kept_changed():
+            self._log_kept(self.level(rows), switch)
         self.passes[threads] += 1
         return threads
 
@@ -81,11 +81,7 @@ class PlainThreads:
         does not continue the last one's."""
         self._previous = None
 
-    def _log_change(self, level: int, switch: EpochSwitch) -> None:
-        if (len(switch.rate) < 2 or switch.exploring
-                or self._logged.get(level) == switch.incumbent):
-            return
-        self._logged[level] = switch.incumbent
+    def _log_kept(self, level: int, switch: EpochSwitch) -> None:
         low = 1 << (level - 1)
         log.info("passes without drafts of %d-%d sessions now run on %d torch threads "
                  "(session-tokens per second: %.0f on %d, %.0f on %d)", low, 2 * low - 1,

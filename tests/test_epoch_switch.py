@@ -97,3 +97,23 @@ def test_modes_five_percent_apart_keep_the_better_one_through_the_drift():
     assert _share_on(0.95) >= 0.85
     assert _share_on(1.05) <= 0.15
     assert _share_on(0.8) >= 0.9  # a wide gap: explored less often
+
+
+def test_kept_changed_says_once_when_the_kept_mode_changes_never_mid_exploration():
+    """The cue both switches' callers log on (the gateway's load switch, a verifier's
+    threads): not before both modes were measured, not while a mode is tried or confirmed."""
+    switch, seen = EpochSwitch(), []
+    for start, rate in [(0.0, 100.0), (0.5, 60.0), (1.0, 100.0), (1.5, 100.0),
+                        (2.0, 130.0), (2.5, 130.0), (3.0, 60.0), (3.5, 60.0)]:
+        _epoch(switch, start, rate)
+        seen.append((switch.kept_changed(), switch.exploring))
+    # (an epoch is rated when the next begins)
+    assert seen == [(False, False),  # nothing rated yet
+                    (False, True),  # one mode measured, the other being measured
+                    (True, False),  # both measured: the better (on) kept, said once
+                    (False, False),
+                    (False, True),  # the other mode tried (130) ...
+                    (False, True),  # ... won, and is confirmed: not yet
+                    (True, False),  # kept: said once
+                    (False, False)]
+    assert switch.incumbent is False
