@@ -29,16 +29,24 @@ def _counter(meter: metrics.Meter, name: str, unit: str, description: str,
                                     description=description)
 
 
-def _gauges(meter: metrics.Meter, name: str, unit: str, description: str,
-            read: Callable[[], Iterable[tuple[float, dict]]], counter: bool = False) -> None:
-    """A gauge (``counter``: a monotonic counter) with one value per label set that ``read``
-    yields when scraped."""
+def _labelled(read: Callable[[], Iterable[tuple[float, dict]]]):
+    """An observable instrument's callback: one value per label set that ``read`` yields."""
     def callback(_: CallbackOptions):
         for value, labels in read():
             yield Observation(value, labels)
+    return callback
 
-    create = meter.create_observable_counter if counter else meter.create_observable_gauge
-    create(name, callbacks=[callback], unit=unit, description=description)
+
+def _gauges(meter: metrics.Meter, name: str, unit: str, description: str,
+            read: Callable[[], Iterable[tuple[float, dict]]]) -> None:
+    meter.create_observable_gauge(name, callbacks=[_labelled(read)], unit=unit,
+                                  description=description)
+
+
+def _counters(meter: metrics.Meter, name: str, unit: str, description: str,
+              read: Callable[[], Iterable[tuple[float, dict]]]) -> None:
+    meter.create_observable_counter(name, callbacks=[_labelled(read)], unit=unit,
+                                    description=description)
 
 
 class GatewayMetrics:
@@ -178,10 +186,9 @@ class ModelServiceMetrics:
                     "a pass 1: 1, 2-3: 2, 4-7: 3, ...), between explorations",
                     lambda: [(plain.kept(level), {"batch_level": level})
                              for level in plain.switches])
-            _gauges(meter, f"specmesh.{kind}.plain_passes", "{pass}",
-                    "Passes without drafts run so far, by the torch threads they ran on",
-                    lambda: [(n, {"threads": threads}) for threads, n in plain.passes.items()],
-                    counter=True)
+            _counters(meter, f"specmesh.{kind}.plain_passes", "{pass}",
+                      "Passes without drafts run so far, by the torch threads they ran on",
+                      lambda: [(n, {"threads": threads}) for threads, n in plain.passes.items()])
         if prefix is not None:
             _counter(meter, f"specmesh.{kind}.prefix.lookup_tokens", "{token}",
                      "Prompt tokens of fresh sessions looked up in the prefix cache",
