@@ -16,9 +16,10 @@ In the bench process, at concurrency 1 (specmesh.bench_hf):
 * ``hf-plain``: the target's own ``generate(do_sample=False)``, no assistant: the speedup base;
 * ``hf-static``: the same with a static KV cache (``cache_implementation="static"``), the
   first thing transformers' guide to faster inference suggests. Not among the default modes:
-  on these CPUs it runs as fast as ``hf-plain``; on a GPU, where each decode step is bound by
-  launching kernels and the dynamic cache's bookkeeping, it ran 3.2x as fast (an H200,
-  docs/performance.md), so a GPU run should include it;
+  on these CPUs it runs as fast as ``hf-plain``. On an H200 one prompt's third run was 3.2x
+  as fast, and in a bench row its mean per request was 2.85x ``hf-plain``'s while a few
+  requests took seconds (docs/performance.md), so a GPU run should include it and read both
+  of its figures;
 * ``hf``: transformers' assisted generation with the draft as assistant and a fixed k;
 * ``hf-default``: assisted generation with the assistant's generation_config as saved, i.e.
   transformers' defaults unless the draft's config sets them.
