@@ -186,10 +186,12 @@ class AdaptiveK:
     prior_rounds: float = 4.0  # how many rounds' worth the gateway-wide α counts as
     decay: float = 0.9
     probe_every: int = 8  # while k = 0 wins, draft 1 token (``only``: that k) for
-    #                       ``probe_rounds`` rounds after this many rounds, then after
-    #                       twice, 4 and 8 times as many while k = 0 keeps winning (a probe
-    #                       that does not pay costs a few rounds' worth), counted over the
-    #                       requests that share ``costs`` (CostModel.since_draft);
+    #                       ``probe_rounds`` rounds after this many tokens decoded without
+    #                       drafts, then after twice, 4 and 8 times as many while k = 0 keeps
+    #                       winning (a probe that does not pay costs a few rounds' worth),
+    #                       and with rounds of n plain tokens (``next_k(plain=n)``) on up to
+    #                       n times that, so that the cap stays at 64 rounds; counted over
+    #                       the requests that share ``costs`` (CostModel.since_draft);
     #                       while k > 0 wins, try k − 1, k + 1, k − 1 and k = 0 in turn every
     #                       this many rounds
     max_backoff: int = 3
@@ -215,7 +217,12 @@ class AdaptiveK:
     def alpha(self) -> float:
         return min(0.99, self._counts.alpha(self.prior_alpha))
 
-    def next_k(self) -> int:
+    def next_k(self, plain: int = 1) -> int:
+        """The next round's k; ``plain``: the tokens the round would decode without drafts
+        (--plain-tokens). The probes' schedule counts those tokens, not rounds: counted in
+        rounds of 8 tokens, one unlucky start (a request's α fell to 0.56 after two rejected
+        drafts, on a pair whose drafts pay at 0.7) kept a lone request plain for 64 tokens,
+        where 8 would have told (docs/performance.md)."""
         if self.costs.verify_ms_base is None:
             k = 0  # measure a plain verify first
         elif not self.costs.known:
@@ -231,7 +238,8 @@ class AdaptiveK:
                     # keep α and the drafting cycle fresh: acceptance and costs may have changed
                     k = self.only or 1
                     self._burst = self.probe_rounds - 1
-                    costs.probe_backoff = min(self.max_backoff, costs.probe_backoff + 1)
+                    top = self.max_backoff + max(1, plain).bit_length() - 1
+                    costs.probe_backoff = min(top, costs.probe_backoff + 1)
             else:
                 costs.probe_backoff = 0
                 if self._rounds % self.probe_every == self.probe_every - 1:
@@ -246,7 +254,7 @@ class AdaptiveK:
                     elif not self.only:
                         k = min(self.k_max, max(0, k + (1 if probe % 2 else -1)))
         self._rounds += 1
-        self.costs.since_draft = 0 if k else self.costs.since_draft + 1
+        self.costs.since_draft = 0 if k else self.costs.since_draft + max(1, plain)
         return k
 
     def observe(self, k: int, accepted: int) -> None:

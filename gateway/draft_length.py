@@ -76,9 +76,11 @@ class DraftLength:
         """A request counted by ``running`` ended (``may_draft``: what ``running`` returned)."""
         self._may_draft -= may_draft
 
-    def choose(self, req, kind: str) -> int:
+    def choose(self, req, kind: str, plain: int = 1) -> int:
         """The request's k, else the gateway's (or none while its drafts do not pay: the
-        fallback), else the adaptive choice; capped by the remaining budget and context."""
+        fallback), else the adaptive choice; capped by the remaining budget and context.
+        ``plain``: the tokens the round decodes if it drafts none (what the adaptive choice's
+        probes count)."""
         spec = req.spec
         if not self.may_draft(spec):
             return 0
@@ -107,7 +109,7 @@ class DraftLength:
                 rounds.adaptive = AdaptiveK(self._costs(kind, req), self.config.max_adaptive_k,
                                             only=only)
             rounds.adaptive.costs = self._costs(kind, req)  # load and context may have changed
-            k = rounds.adaptive.next_k()
+            k = rounds.adaptive.next_k(plain)
         room = self.limits.max_context - len(req.handle.tokens) - 1
         return max(0, min(k, self.limits.max_draft_tokens, spec.max_new_tokens - req.generated - 1,
                           room))

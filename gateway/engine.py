@@ -335,13 +335,14 @@ class GenerationEngine:
         caller once the round is accounted for)."""
         start = time.perf_counter()
         self.k.learn_cycle(req, kind, start)
-        k = self.k.choose(req, kind)
+        plain = self._plain_tokens(req)
+        k = self.k.choose(req, kind, plain)
         round_span = self.telemetry.round_span(span, req, k)
         try:
             with trace.use_span(round_span):
                 plan = RoundPlan(req.spec.params, k, kind, req.seed,
                                  acceptance=self.k.acceptance_of(kind).alpha(0.7),
-                                 logprobs=req.spec.logprobs, tokens=self._plain_tokens(req))
+                                 logprobs=req.spec.logprobs, tokens=plain)
                 r = await self.rounds.run(req.rounds, plan, req.deadline)
         except BaseException:
             round_span.end()

@@ -147,14 +147,15 @@ def test_costs_are_kept_per_context_level():
 
 
 def _simulate(ctl: AdaptiveK, model: CostModel, alpha: float, cycle, rounds: int,
-              rng: random.Random, catch_up: bool = False) -> list[int]:
+              rng: random.Random, catch_up: bool = False, plain: int = 1) -> list[int]:
     """Runs ``rounds`` rounds of a request whose drafts are accepted at a per-token rate of
-    ``alpha`` and whose round at k costs ``cycle(k)`` ms; returns the k of each round.
+    ``alpha`` and whose round at k costs ``cycle(k)`` ms (k = 0: per token, as the gateway
+    counts a round of ``plain`` tokens); returns the k of each round.
     ``catch_up``: as the gateway does, a drafting round right after one without drafts is
     not measured (the drafter catches up on the undrafted tokens: not warm)."""
     ks = []
     for _ in range(rounds):
-        k = ctl.next_k()
+        k = ctl.next_k(plain)
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
@@ -239,3 +240,32 @@ def test_lone_requests_go_on_with_the_probe_schedule_where_the_last_one_left_it(
         ks += _simulate(ctl, model, 0.9, lambda k: 16.0 if k else 14.5, 128,
                         random.Random(40 + i), catch_up=True)
     assert sum(1 for k in ks[-128:] if k) >= 100, ks[-128:]
+
+
+def test_probes_count_the_tokens_of_plain_rounds():
+    """Seen at one stream with plain rounds of 8 tokens (--plain-tokens): two rejected drafts
+    at a request's start put its α at 0.56, k = 0 won by a hair (7.5 ms a token against 2.05
+    tokens in 16.2 ms), and the probe came after 8 plain *rounds*, 64 tokens, half the
+    request, on a pair whose drafts are accepted at ~0.7. The schedule counts tokens: one
+    plain round of 8, then a probe; while k = 0 keeps winning the interval doubles up to 64
+    rounds, as it did with one-token plain rounds."""
+    model = costs(draft=1.0, base=7.0, per_draft=1.0, rtt=0.5)
+    for _ in range(10):
+        model.observe_cycle(0, 7.5)
+        model.observe_cycle(3, 16.2)
+    for plain, expect in ((8, [0, 3, 3, 3]), (1, [0] * 7 + [3, 3, 3])):
+        model.since_draft = model.probe_backoff = 0
+        ctl = AdaptiveK(model, k_max=3, only=3, prior_alpha=0.7)
+        ctl.observe(3, 0)
+        ctl.observe(3, 0)  # an unlucky start
+        assert ctl.alpha < 0.6
+        assert [ctl.next_k(plain) for _ in range(len(expect))] == expect
+    # a drafter that never pays: probes back off to one in 64 rounds of 8 tokens, not 8
+    model.since_draft = model.probe_backoff = 0
+    ctl = AdaptiveK(model, k_max=3, only=3, prior_alpha=0.7)
+    ks = _simulate(ctl, model, 0.02, lambda k: 16.2 if k else 7.5, 400, random.Random(5),
+                   catch_up=True, plain=8)
+    starts = [i for i, k in enumerate(ks) if k and i and not ks[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps[:5] == [2 + 3, 4 + 3, 8 + 3, 16 + 3, 32 + 3], gaps  # plain rounds + a probe
+    assert set(gaps[5:]) == {64 + 3}, gaps
