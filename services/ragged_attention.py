@@ -77,8 +77,8 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
         lo, hi = min(slots), max(slots)
         n, width = hi - lo + 1, max(sizes)
         keys = max(rows[b].start + m for b, m in zip(idx, sizes, strict=True))
-        for b in idx:
-            pool.ready(slot_of[b], rows[b].start, keys)
+        for b, m in zip(idx, sizes, strict=True):  # (its new positions are written first)
+            pool.ready(slot_of[b], rows[b].start + m, keys)
         tok, slot, pos, j = [], [], [], []
         limit = [[0] * width for _ in range(n)]  # per padded query: its last visible key
         for b, s, m in zip(idx, slots, sizes, strict=True):

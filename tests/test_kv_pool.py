@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from services import ragged_attention
 from services.batching import Row, forward_one, forward_rows
-from services.kv_slab import KVPool, SlabCache
+from services.kv_slab import AHEAD, KVPool, SlabCache
 from services.lean_llama import POOL_MAX_SLOTS, POOL_ROW_MAX, LeanLlama, pool_slots
 
 TOL = dict(atol=2e-5, rtol=1e-5)
@@ -81,6 +81,34 @@ def models(request, tiny_pair):
 def _ids(model, n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist()
+
+
+def test_positions_past_a_slots_live_ones_are_zeroed_once_and_ahead():
+    """A pass pads its rows to the longest, so a shorter row's slot must hold numbers up to
+    that length (masked NaN still poisons a softmax). Zeroing only the one position a
+    growing pass added cost two operators per layer and row in every pass; the pool zeroes
+    AHEAD positions at once, never a position again, never the positions the pass writes
+    itself (``live`` counts them), and never past the slot."""
+    pool = _pool(slot_len=200, segment=1, max_slots=1)
+    slot = pool.acquire()
+    for keys, values in pool.segments[0]:
+        keys.fill_(float("nan"))
+        values.fill_(float("nan"))
+
+    def numbers(layer: int = 1) -> list[bool]:  # per position: holds a number
+        keys, values = pool.buffers(slot, layer)
+        return [not (keys[0, :, p].isnan().any() or values[0, :, p].isnan().any())
+                for p in range(pool.slot_len)]
+
+    pool.ready(slot, live=5, length=20)  # positions 0-4 are the cache's own (NaN here)
+    assert numbers() == [False] * 5 + [True] * AHEAD + [False] * (200 - 5 - AHEAD)
+    for keys, values in pool.segments[0]:
+        keys[:, :, 30] = values[:, :, 30] = 7.0  # as a cache's write would
+    pool.ready(slot, live=21, length=40)  # within what was zeroed: nothing is touched
+    assert all(bool((keys[0, :, 30] == 7.0).all()) for keys, _ in pool.segments[0])
+    pool.ready(slot, live=150, length=160)  # from the live positions on, up to the slot's end
+    assert numbers()[150:] == [True] * 50 and numbers()[5 + AHEAD:150] == [False] * (145 - AHEAD)
+    assert numbers(0) == numbers(1)
 
 
 def test_rows_in_slots_attend_per_segment_and_match_each_row_alone(models, monkeypatch):
