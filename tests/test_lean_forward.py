@@ -51,6 +51,24 @@ def _ids(model, n: int, seed: int) -> list[int]:
     return torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist()
 
 
+def test_rotary_embedding_gives_transformers_floats_exactly():
+    """The lean forward rotates the queries' and keys' heads in one go with the sine's first
+    half negated (LeanLlama._rope); each element is the same products as transformers'
+    apply_rotary_pos_emb, so the floats are equal, not merely close: a greedy argmax could
+    otherwise flip between the lean and HF forwards."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    B, H, KV, m, D = 2, 6, 3, 5, 64
+    q, k = torch.randn(B, H, m, D, generator=g), torch.randn(B, KV, m, D, generator=g)
+    cos, sin = torch.randn(B, m, D, generator=g), torch.randn(B, m, D, generator=g)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    qk = torch.cat([q, k], dim=1).transpose(1, 2)  # [B, m, H + KV, D], as the pass holds them
+    got = LeanLlama._rope(qk, cos[:, :, None], LeanLlama._signed(sin)[:, :, None])
+    assert torch.equal(got[:, :, :H].transpose(1, 2), want_q)
+    assert torch.equal(got[:, :, H:].transpose(1, 2), want_k)
+
+
 def test_prefill_then_steps_match_hf(models):
     """A prompt, then 1-token and 4-token steps on a growing cache: same logits as HF."""
     hf, lean = models
