@@ -6,7 +6,8 @@ it over those units' cycle times (from a unit's start to the next one's, so that
 costs the rest of the system between units counts too). It keeps the better mode and tries
 the other one again after 2 epochs, then 4, 8 and 16 while the incumbent keeps winning (2, 8,
 16 when the other mode reached less than 0.8 of its rate): with a 1.5x difference, 1 epoch
-in 17 costs about 2%. A tie goes to the mode that is off (``on`` False), the cheaper one;
+in 17 costs about 2%. An explored epoch that runs below 0.8 of the incumbent's rate after
+half an epoch ends there (``cut_below``): its second half would only cost more. A tie goes to the mode that is off (``on`` False), the cheaper one;
 with ``on_margin`` above 1 the mode that is on must win by that factor.
 A switch whose first mode came from evidence (``patient``) measures the other mode on the
 usual schedule, after ``first_explore`` epochs, not at once.
@@ -37,6 +38,8 @@ class EpochSwitch:
     max_explore: int = 16  # ... doubling while the incumbent keeps winning, up to this
     wide_margin: float = 0.8  # (quadrupling while the other mode's rate is below this share)
     on_margin: float = 1.0  # the mode that is on must beat the other's rate by this factor
+    cut_below: float = 0.8  # an explored epoch running below this share of the incumbent's
+    #                         rate after half an epoch ends there (0: never)
     on: bool = True  # the mode of the current epoch
     patient: bool = False  # the first mode came from evidence: explore on schedule
     rate: dict[bool, float] = field(default_factory=dict)  # per mode: tokens per second of cycles
@@ -78,7 +81,7 @@ class EpochSwitch:
         return type(self)(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
                           first_explore=self.first_explore, max_explore=self.max_explore,
                           wide_margin=self.wide_margin, on_margin=self.on_margin,
-                          on=self.incumbent,
+                          cut_below=self.cut_below, on=self.incumbent,
                           patient=True, rate=dict(self.rate), _every=self._every)
 
     def mode(self, now: float) -> bool:
@@ -86,11 +89,23 @@ class EpochSwitch:
         than an epoch (the load moved elsewhere) starts again."""
         if self._start is None or now - self._last > self.epoch_s:
             self._begin(now)
-        elif now - self._start >= self.epoch_s and self._rounds >= self.min_rounds:
+        elif ((now - self._start >= self.epoch_s and self._rounds >= self.min_rounds)
+              or self._losing(now)):
             self._end_epoch()
             self._begin(now)
         self._last = now
         return self.on
+
+    def _losing(self, now: float) -> bool:
+        """Whether an explored epoch (not a confirming one) has run half an epoch and
+        ``min_rounds`` units below ``cut_below`` of the incumbent's rate: it has lost by a
+        wide margin, and its second half would only cost more. On the demo pair at 8 streams
+        a load level's first drafting epoch ran at 0.6 of its plain ones
+        (docs/performance.md)."""
+        incumbent = self.rate.get(self.incumbent)
+        return (self._exploring and not self._confirming and incumbent is not None
+                and now - self._start >= self.epoch_s / 2 and self._rounds >= self.min_rounds
+                and self._tokens < self.cut_below * incumbent * self._busy_s)
 
     def observe(self, started: float, cycle_s: float, tokens: int, cut: bool = False) -> None:
         """A unit of work (a round, a pass) that began at ``started``, took ``cycle_s`` to

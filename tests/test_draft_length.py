@@ -270,10 +270,11 @@ def _switch_modes(rate: dict[bool, float], seconds: float = 60.0) -> list[bool]:
 
 
 def _runs(modes: list[bool]) -> list[int]:
-    """Lengths of the runs of the better mode (True) between explorations, after the first
-    two epochs."""
+    """Lengths of the runs of the better mode (True) between explorations, after each mode's
+    first epoch (an explored epoch that loses widely may end after half an epoch)."""
+    first = modes.index(False)
     runs, run = [], 0
-    for m in modes[20:]:
+    for m in modes[first + modes[first:].index(True):]:
         if m:
             run += 1
         elif run:

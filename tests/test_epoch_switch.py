@@ -63,8 +63,8 @@ def test_an_explored_mode_that_is_better_now_wins_though_its_old_rate_was_lower(
 def test_an_explored_mode_that_wins_one_lucky_epoch_is_not_kept():
     """One epoch's rate is noisy (a bench cell's first rounds, a burst on the other cores):
     an explored mode that wins it runs one more epoch and is kept only if the two epochs'
-    average wins too."""
-    switch = EpochSwitch()
+    average wins too. (Explored epochs run whole here: ``cut_below`` 0.)"""
+    switch = EpochSwitch(cut_below=0.0)
     _epoch(switch, 0.0, 100.0)
     _epoch(switch, 0.5, 60.0)
     assert _epoch(switch, 1.0, 100.0) is True  # 100 against 60
@@ -101,8 +101,9 @@ def test_modes_five_percent_apart_keep_the_better_one_through_the_drift():
 
 def test_kept_changed_says_once_when_the_kept_mode_changes_never_mid_exploration():
     """The cue both switches' callers log on (the gateway's load switch, a verifier's
-    threads): not before both modes were measured, not while a mode is tried or confirmed."""
-    switch, seen = EpochSwitch(), []
+    threads): not before both modes were measured, not while a mode is tried or confirmed.
+    (Explored epochs run whole here: ``cut_below`` 0.)"""
+    switch, seen = EpochSwitch(cut_below=0.0), []
     for start, rate in [(0.0, 100.0), (0.5, 60.0), (1.0, 100.0), (1.5, 100.0),
                         (2.0, 130.0), (2.5, 130.0), (3.0, 60.0), (3.5, 60.0)]:
         _epoch(switch, start, rate)
@@ -117,3 +118,31 @@ def test_kept_changed_says_once_when_the_kept_mode_changes_never_mid_exploration
                     (True, False),  # kept: said once
                     (False, False)]
     assert switch.incumbent is False
+
+
+def test_an_explored_epoch_that_loses_widely_ends_after_half_an_epoch():
+    """A load level's first drafting epoch ran at 0.6 of its plain ones on the demo pair at
+    8 streams (docs/performance.md): once half an epoch and ``min_rounds`` units say the
+    explored mode runs below ``cut_below`` of the incumbent, the rest of the epoch is not
+    run. It counts as a wide loss (tried again later than a near one). A mode that is close
+    runs its whole epoch, and a confirming epoch always does."""
+
+    def units(switch: EpochSwitch, start: float, rate: float, n: int) -> list[bool]:
+        modes = []
+        for i in range(n):  # units of 25 ms: 20 an epoch
+            modes.append(switch.mode(start + 0.025 * i))
+            switch.observe(start + 0.025 * i, 0.025, rate * 0.025)
+        return modes
+
+    switch = EpochSwitch(on=False, rate={False: 100.0}, patient=True)
+    switch._streak = switch._every - 1  # the next epoch explores
+    units(switch, 0.0, 100.0, 20)  # the incumbent's epoch
+    explored = units(switch, 0.5, 60.0, 20)  # drafting, at 0.6
+    assert explored == [True] * 10 + [False] * 10  # cut after 0.25 s
+    assert switch.rate[True] == pytest.approx(60.0) and not switch.exploring
+    assert switch._every == 4 * switch.first_explore  # a wide loss
+    close = EpochSwitch(on=False, rate={False: 100.0}, patient=True)
+    close._streak = close._every - 1
+    units(close, 0.0, 100.0, 20)
+    assert units(close, 0.5, 85.0, 20) == [True] * 20  # 0.85: the whole epoch
+    assert EpochSwitch(cut_below=0.5).seeded().cut_below == 0.5
