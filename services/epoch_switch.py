@@ -7,8 +7,9 @@ costs the rest of the system between units counts too). It keeps the better mode
 the other one again after 2 epochs, then 4, 8 and 16 while the incumbent keeps winning (2, 8,
 16 when the other mode reached less than 0.8 of its rate): with a 1.5x difference, 1 epoch
 in 17 costs about 2%. An explored epoch that runs below 0.8 of the incumbent's rate after
-half an epoch ends there (``cut_below``): its second half would only cost more. A tie goes to the mode that is off (``on`` False), the cheaper one;
-with ``on_margin`` above 1 the mode that is on must win by that factor.
+half an epoch ends there (``cut_below``): its second half would only cost more. A tie goes
+to the mode that is off (``on`` False), the cheaper one; with ``on_margin`` above 1 the mode
+that is on must win by that factor.
 A switch whose first mode came from evidence (``patient``) measures the other mode on the
 usual schedule, after ``first_explore`` epochs, not at once.
 
