@@ -223,6 +223,7 @@ class AdaptiveK:
         rounds of 8 tokens, one unlucky start (a request's α fell to 0.56 after two rejected
         drafts, on a pair whose drafts pay at 0.7) kept a lone request plain for 64 tokens,
         where 8 would have told (docs/performance.md)."""
+        plain = max(1, plain)
         if self.costs.verify_ms_base is None:
             k = 0  # measure a plain verify first
         elif not self.costs.known:
@@ -238,7 +239,7 @@ class AdaptiveK:
                     # keep α and the drafting cycle fresh: acceptance and costs may have changed
                     k = self.only or 1
                     self._burst = self.probe_rounds - 1
-                    top = self.max_backoff + max(1, plain).bit_length() - 1
+                    top = self.max_backoff + plain.bit_length() - 1
                     costs.probe_backoff = min(top, costs.probe_backoff + 1)
             else:
                 costs.probe_backoff = 0
@@ -254,7 +255,7 @@ class AdaptiveK:
                     elif not self.only:
                         k = min(self.k_max, max(0, k + (1 if probe % 2 else -1)))
         self._rounds += 1
-        self.costs.since_draft = 0 if k else self.costs.since_draft + max(1, plain)
+        self.costs.since_draft = 0 if k else self.costs.since_draft + plain
         return k
 
     def observe(self, k: int, accepted: int) -> None:

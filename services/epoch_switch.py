@@ -103,10 +103,10 @@ class EpochSwitch:
         wide margin, and its second half would only cost more. On the demo pair at 8 streams
         a load level's first drafting epoch ran at 0.6 of its plain ones
         (docs/performance.md)."""
-        incumbent = self.rate.get(self.incumbent)
-        return (self._exploring and not self._confirming and incumbent is not None
-                and now - self._start >= self.epoch_s / 2 and self._rounds >= self.min_rounds
-                and self._tokens < self.cut_below * incumbent * self._busy_s)
+        if not self._exploring or self._confirming or self.incumbent not in self.rate:
+            return False
+        return (now - self._start >= self.epoch_s / 2 and self._rounds >= self.min_rounds
+                and self._tokens < self.cut_below * self.rate[self.incumbent] * self._busy_s)
 
     def observe(self, started: float, cycle_s: float, tokens: int, cut: bool = False) -> None:
         """A unit of work (a round, a pass) that began at ``started``, took ``cycle_s`` to

@@ -260,6 +260,16 @@ class LeanLlama(torch.nn.Module):
         q and k instead of fourteen (two negations, four slices and two cats among them)."""
         return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
+    def _split_heads(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's fused projection qkv [..., (H + 2 KV) D] split into heads, the queries'
+        and keys' rotated (``_rope``; cos, signed_sin broadcast over the heads' dimension):
+        q [..., H, D], k and v [..., KV, D]."""
+        H, KV, D = self._heads, self._kv_heads, self._head_dim
+        lead = qkv.shape[:-1]
+        qk = self._rope(qkv[..., :(H + KV) * D].view(*lead, H + KV, D), cos, signed_sin)
+        return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + KV) * D:].view(*lead, KV, D)
+
     @staticmethod
     def _mask(m: int, past: int, attention_mask, device) -> torch.Tensor | None:
         """[B, 1, m, past+m] bool (True = may attend), or None for one query and no padding;
@@ -285,18 +295,15 @@ class LeanLlama(torch.nn.Module):
         past = past_key_values.get_seq_length()
         if position_ids is None:
             position_ids = torch.arange(past, past + m, device=input_ids.device)[None].expand(B, m)
-        H, KV, D = self._heads, self._kv_heads, self._head_dim
+        H, D = self._heads, self._head_dim
         x = self.hf.model.embed_tokens(input_ids)  # [B, m, h]
         cos, sin = self.hf.model.rotary_emb(x, position_ids)  # [B, m, D]
         cos, sin = cos[:, :, None], self._signed(sin)[:, :, None]  # [B, m, 1, D]
         mask = self._group_mask(self._mask(m, past, attention_mask, x.device))
         for i, w in enumerate(self._layers):
             h = self._rms(x, w.ln1)
-            qkv = w.qkv(h)  # [B, m, (H + 2 KV) D]
-            qk = self._rope(qkv[..., :(H + KV) * D].view(B, m, H + KV, D), cos, sin)
-            q = qk[:, :, :H].transpose(1, 2)  # [B, H, m, D]
-            k = qk[:, :, H:].transpose(1, 2)  # [B, KV, m, D]
-            v = qkv[..., (H + KV) * D:].view(B, m, KV, D).transpose(1, 2)
+            q, k, v = (t.transpose(1, 2) for t in self._split_heads(w.qkv(h), cos, sin))
+            # q [B, H, m, D], k and v [B, KV, m, D]
             k, v = past_key_values.update(k, v, i)  # [B, KV, past+m, D]
             attn = self._attend(q, k, v, mask)  # [B, H, m, D]
             x = x + w.o(attn.transpose(1, 2).reshape(B, m, H * D))
@@ -361,11 +368,8 @@ class LeanLlama(torch.nn.Module):
                     for idx, p in groups]
         for i, w in enumerate(self._layers):
             h = self._rms(x, w.ln1)
-            qkv = w.qkv(h)[0]  # [T, (H + 2 KV) D]
-            qk = self._rope(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)
-            q = qk[:, :H].transpose(0, 1)  # [H, T, D]
-            k = qk[:, H:].transpose(0, 1)  # [KV, T, D]
-            v = qkv[:, (H + KV) * D:].view(T, KV, D).transpose(0, 1)
+            q, k, v = (t.transpose(0, 1) for t in self._split_heads(w.qkv(h)[0], cos, sin))
+            # q [H, T, D], k and v [KV, T, D]
             attn = q.new_empty(H, T, D)
             for p in plans:  # one call per pool segment for all of its rows
                 attn[:, p.tok] = ragged_attention.attend(

@@ -145,4 +145,11 @@ def test_an_explored_epoch_that_loses_widely_ends_after_half_an_epoch():
     close._streak = close._every - 1
     units(close, 0.0, 100.0, 20)
     assert units(close, 0.5, 85.0, 20) == [True] * 20  # 0.85: the whole epoch
+    confirm = EpochSwitch(on=False, rate={False: 100.0}, patient=True)
+    confirm._streak = confirm._every - 1
+    units(confirm, 0.0, 100.0, 20)
+    assert units(confirm, 0.5, 120.0, 20) == [True] * 20  # it won: one more epoch confirms
+    assert units(confirm, 1.0, 60.0, 20) == [True] * 20  # confirming at 0.6: not cut
+    assert confirm.mode(1.5) is False  # rated as the next begins: (120 + 60) / 2 lost
+    assert not confirm.exploring and confirm.incumbent is False
     assert EpochSwitch(cut_below=0.5).seeded().cut_below == 0.5
