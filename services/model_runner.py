@@ -153,15 +153,16 @@ class ModelRunner:
                         active.append(_Active(job, fut))
                 if not active:
                     continue
-                batch, left = active, set(range(len(active)))
-                for errors, ms in await loop.run_in_executor(self._executor, self._passes,
-                                                             batch):
+                passes = await loop.run_in_executor(self._executor, self._passes, active)
+                for _, ms in passes:
                     self.stats.forward_ms += ms
                     self.stats.forward_passes += 1
-                    for i, (a, error) in enumerate(zip(batch, errors, strict=True)):
-                        if i in left and self._settle(a, error, ms, len(batch)):
-                            left.discard(i)
-                active = [a for i, a in enumerate(batch) if i in left]
+                # every job took part in every pass, and only the last can have ended one
+                # (``_passes``): each is settled once, with all of their compute
+                ms = sum(ms for _, ms in passes)
+                errors = passes[-1][0]
+                active = [a for a, error in zip(active, errors, strict=True)
+                          if not self._settle(a, error, ms, len(active))]
         except BaseException as exc:  # the model thread is gone (shutdown): fail every waiter
             for fut in [a.future for a in active] + [fut for _, fut in self._waiting]:
                 if not fut.done():
@@ -191,8 +192,9 @@ class ModelRunner:
                 return out
 
     def _settle(self, a: _Active, error: BaseException | None, ms: float, batch: int) -> bool:
-        """Accounts one step to an active job; True when it leaves the batch (done, failed,
-        or its caller went away: a cancelled call's cache was dropped by its checkout)."""
+        """Accounts a run of passes (``ms``, their compute together) to an active job; True
+        when it leaves the batch (done, failed, or its caller went away: a cancelled call's
+        cache was dropped by its checkout)."""
         a.compute_ms += ms
         a.batch = max(a.batch, batch)
         if error is not None:

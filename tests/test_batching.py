@@ -136,6 +136,27 @@ def test_a_call_joins_the_running_batch_at_its_next_step(target_model, tiny_pair
     assert long.fed == 5 and short.fed == 1
 
 
+def test_a_job_of_several_steps_is_told_the_compute_of_all_of_them(target_model, tiny_pair):
+    """A verifier's plain tokens and a drafter's k drafts are one job of several passes, run
+    back to back on the model thread. Its caller is told their compute together (the
+    gateway's cost model splits a plain round into passes and overhead with it): once, it
+    was told the first pass's alone, and a plain round of 8 passes counted 7 of them as the
+    round's overhead."""
+    model, tokenizer = target_model
+    runner = ModelRunner(model, describe(tiny_pair[0], model, tokenizer), torch.device("cpu"),
+                         max_queue=8, max_batch=4)
+
+    async def run():
+        return await runner.submit(_Steps(model, 5, "five"))
+
+    try:
+        result, ms, batch = asyncio.run(run())
+    finally:
+        runner.close()
+    assert (result, batch, runner.stats.forward_passes) == ("five", 1, 5)
+    assert ms == pytest.approx(runner.stats.forward_ms, rel=1e-9)
+
+
 def _engine(target_model, tiny_pair, max_batch: int) -> VerifierEngine:
     model, tokenizer = target_model
     meta = describe(tiny_pair[0], model, tokenizer)
