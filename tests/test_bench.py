@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gateway.adaptive import expected_tokens
+from specmesh.bench import drafter_device_of
 from specmesh.bench_costs import (
     cost_figures,
     efficiency,
@@ -379,6 +380,14 @@ def test_the_report_says_where_the_models_ran():
     assert device_note({"device": "cuda", "drafter_device": "cuda"}) == "models on cuda; "
     assert device_note({"device": "cuda", "drafter_device": "cpu"}) == (
         "models on cuda, the model drafter on cpu; ")
+
+
+def test_the_drafter_stays_on_the_cpu_unless_the_bench_is_told_otherwise():
+    """`--device cuda` alone benchmarks what `specmesh up` runs on a GPU machine: the
+    verifier on the GPU, the model drafter on the CPU (not both on the GPU, as before)."""
+    assert drafter_device_of("") == "cpu"
+    assert drafter_device_of("cuda") == "cuda"
+    assert drafter_device_of("cuda:1") == "cuda:1"
 
 
 def test_shared_prefix_prompts_start_with_one_context_of_the_asked_length(tiny_pair):
