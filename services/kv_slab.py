@@ -30,6 +30,31 @@ import torch
 
 CHUNK = 256  # positions a full buffer grows by
 AHEAD = 64  # positions of a pool slot made to hold numbers at a time (KVPool.ready)
+POOL_SEGMENT = 16  # slots allocated together
+POOL_MAX_SLOTS = 256  # a replica lowers it to its --max-sessions and --kv-budget-mb
+POOL_MEMORY_SHARE = 0.5  # of an accelerator's memory free after the weights, at most
+
+
+def pool_slots(device: torch.device, slot_bytes: int, free_bytes: int | None) -> int:
+    """How many KV pool slots a model on ``device`` may hold. On a CPU ``POOL_MAX_SLOTS``:
+    ``torch.empty`` takes address space there and a page is backed once a cache writes it.
+    On an accelerator a segment's memory is taken at once, whatever its sessions hold: as
+    many slots as ``POOL_MEMORY_SHARE`` of the memory free after the weights (``free_bytes``)
+    holds, so that sessions beyond them, prefills and activations still fit (a session
+    without a slot has a cache of its own, as before pools). 0 (no pool) where the free
+    memory is not known."""
+    if device.type == "cpu":
+        return POOL_MAX_SLOTS
+    if not free_bytes or slot_bytes <= 0:
+        return 0
+    return min(POOL_MAX_SLOTS, int(free_bytes * POOL_MEMORY_SHARE) // slot_bytes)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on a CUDA device (None elsewhere: the CPU's pages are taken as written)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
 
 
 class KVPool:
@@ -47,7 +72,7 @@ class KVPool:
             raise ValueError("slot_len, segment and max_slots must be >= 1")
         self.num_layers, self.slot_len, self.segment = num_layers, slot_len, segment
         self._shape = (segment, kv_heads, slot_len, head_dim)
-        self._dtype, self._device = dtype, torch.device(device)
+        self.dtype, self._device = dtype, torch.device(device)
         self.max_slots = max_slots  # a replica lowers it to fit its KV budget
         self.segments: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # [seg][layer]
         self._free: list[int] = []  # a heap of released slots, reused before a new one
@@ -71,8 +96,8 @@ class KVPool:
                 # prefix-cache restore writes them outside it
                 with torch.inference_mode(False):
                     self.segments.append([
-                        (torch.empty(self._shape, dtype=self._dtype, device=self._device),
-                         torch.empty(self._shape, dtype=self._dtype, device=self._device))
+                        (torch.empty(self._shape, dtype=self.dtype, device=self._device),
+                         torch.empty(self._shape, dtype=self.dtype, device=self._device))
                         for _ in range(self.num_layers)])
             self._made += 1
             self._clean.append(0)

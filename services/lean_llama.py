@@ -43,38 +43,11 @@ import torch.nn.functional as F
 
 from services import ragged_attention
 from services.config import FORWARD_MODES
-from services.kv_slab import KVPool, SlabCache
+from services.kv_slab import POOL_SEGMENT, KVPool, SlabCache, free_memory, pool_slots
 
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
 POOL_PAD = 512  # padded positions the longest row may add to the others' before it goes alone
-POOL_SEGMENT = 16  # slots allocated together
-POOL_MAX_SLOTS = 256  # a replica lowers it to its --max-sessions and --kv-budget-mb
-POOL_MEMORY_SHARE = 0.5  # of an accelerator's memory free after the weights, at most
-
-
-def pool_slots(device: torch.device, slot_bytes: int, free_bytes: int | None) -> int:
-    """How many KV pool slots a model on ``device`` may hold. On a CPU ``POOL_MAX_SLOTS``:
-    ``torch.empty`` takes address space there and a page is backed once a cache writes it.
-    On an accelerator a segment's memory is taken at once, whatever its sessions hold: as
-    many slots as ``POOL_MEMORY_SHARE`` of the memory free after the weights (``free_bytes``)
-    holds, so that sessions beyond them, prefills and activations still fit (a session
-    without a slot has a cache of its own, as before pools). 0 (no pool) where the free
-    memory is not known."""
-    if device.type == "cpu":
-        return POOL_MAX_SLOTS
-    if not free_bytes or slot_bytes <= 0:
-        return 0
-    return min(POOL_MAX_SLOTS, int(free_bytes * POOL_MEMORY_SHARE) // slot_bytes)
-
-
-def _free_memory(device: torch.device) -> int | None:
-    """Bytes free on a CUDA device (None elsewhere: the CPU's pages are taken as written)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.mem_get_info(device)[0]
-
-
 def unsupported_reason(model) -> str:
     """Why ``model`` cannot use the lean forward ("" when it can)."""
     c = model.config
@@ -189,7 +162,7 @@ class LeanLlama(torch.nn.Module):
         slot_len = min(c.max_position_embeddings, POOL_SLOT_CAP)
         slot_bytes = (2 * c.num_hidden_layers * self._kv_heads * slot_len * self._head_dim
                       * weight.element_size())
-        slots = pool_slots(weight.device, slot_bytes, _free_memory(weight.device))
+        slots = pool_slots(weight.device, slot_bytes, free_memory(weight.device))
         self.pool = KVPool(c.num_hidden_layers, self._kv_heads, self._head_dim, slot_len,
                            segment=min(POOL_SEGMENT, slots), max_slots=slots,
                            dtype=weight.dtype, device=weight.device) if slots else None
@@ -241,6 +214,12 @@ class LeanLlama(torch.nn.Module):
         return [b for _, b in pooled]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """transformers' LlamaRMSNorm. In float32, PyTorch's own ``rms_norm``: one operator
+        for six (one kernel launch for six on a GPU, where a pass is bound by launches);
+        on the CPU its floats are transformers' own (a test checks they are equal). Other
+        dtypes norm in float32 and cast before the weight, as transformers does."""
+        if x.dtype == weight.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self._eps)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._eps)
@@ -366,14 +345,21 @@ class LeanLlama(torch.nn.Module):
         cascades = [ragged_attention.cascade_plan(rows, idx, p, starts, pooled, self.pool,
                                                   H // KV, dev, lambda b, p=p: rest_mask(b, p))
                     for idx, p in groups]
+        # one segment's call attends every token of the pass, in order: its output is the
+        # layer's attention as it comes (a decode pass of one stream, rows in slot order)
+        whole = len(plans) == 1 and plans[0].span == slice(0, T)
         for i, w in enumerate(self._layers):
             h = self._rms(x, w.ln1)
             q, k, v = (t.transpose(0, 1) for t in self._split_heads(w.qkv(h)[0], cos, sin))
             # q [H, T, D], k and v [KV, T, D]
-            attn = q.new_empty(H, T, D)
-            for p in plans:  # one call per pool segment for all of its rows
-                attn[:, p.tok] = ragged_attention.attend(
-                    p, self.pool.segments[p.segment][i], q, k, v)  # [H, P, D]
+            if whole:
+                attn = ragged_attention.attend(plans[0], self.pool.segments[plans[0].segment][i],
+                                               q, k, v)  # [H, T, D]
+            else:
+                attn = q.new_empty(H, T, D)
+                for p in plans:  # one call per pool segment for all of its rows
+                    attn[:, p.where] = ragged_attention.attend(
+                        p, self.pool.segments[p.segment][i], q, k, v)  # [H, P, D]
             for b in range(len(rows)):
                 if b in pooled:
                     continue

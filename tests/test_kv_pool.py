@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from services import ragged_attention
 from services.batching import Row, forward_one, forward_rows
-from services.kv_slab import AHEAD, KVPool, SlabCache
-from services.lean_llama import POOL_MAX_SLOTS, POOL_ROW_MAX, LeanLlama, pool_slots
+from services.kv_slab import AHEAD, POOL_MAX_SLOTS, KVPool, SlabCache, pool_slots
+from services.lean_llama import POOL_ROW_MAX, LeanLlama
 
 TOL = dict(atol=2e-5, rtol=1e-5)
 

@@ -7,6 +7,8 @@ the HF model on its own cache, so an error in the lean path cannot hide in a sha
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -69,6 +71,21 @@ def test_rotary_embedding_gives_transformers_floats_exactly():
     assert torch.equal(got[:, :, H:].transpose(1, 2), want_k)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_rms_norm_gives_transformers_floats_exactly(tiny_pair, rows):
+    """The lean forward norms float32 activations with PyTorch's rms_norm, one operator
+    where transformers' LlamaRMSNorm runs six: on the CPU the floats must be its own."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32)
+    lean = LeanLlama(model)
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape,
+                                                generator=torch.Generator().manual_seed(1)))
+    x = 3 * torch.randn(1, rows, norm.weight.shape[0], generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        assert torch.equal(lean._rms(x, norm.weight), norm(x))
+
+
 def test_prefill_then_steps_match_hf(models):
     """A prompt, then 1-token and 4-token steps on a growing cache: same logits as HF."""
     hf, lean = models
@@ -115,6 +132,47 @@ def test_batched_rows_match_each_row_alone(models):
     for (past, new), ref, out, row in zip(plan, refs, got, lean_rows, strict=True):
         torch.testing.assert_close(out, ref, **TOL)
         assert row.kv.get_seq_length() == past + new  # each session's cache got its tokens
+
+
+@pytest.mark.parametrize("plan, order", [
+    ([(23, 3), (5, 1), (0, 4), (40, 2)], None),  # several new tokens: padded
+    ([(30, 1)], None),  # one stream's decode: the whole pass is one dense call
+    ([(30, 1), (12, 1), (47, 1)], None),  # decode rows in slot order: dense
+    ([(30, 1), (12, 1), (47, 1)], [2, 0, 1]),  # decode rows out of slot order: gathered
+], ids=["padded", "one-stream", "slot-order", "out-of-order"])
+def test_pooled_passes_shortcuts_give_the_general_paths_floats(tiny_pair, monkeypatch, plan,
+                                                                order):
+    """A pooled pass's mask is additive (0 / -inf), made once a pass, where SDPA turned a bool
+    mask into it in every layer's call; and a decode pass whose rows fill their slots in
+    order attends on views of the pass's queries, keys and values, without padding or
+    gathering. Neither may change a float: the logits must equal the general path's (bool
+    masks, padded queries, gathered outputs)."""
+    from services import ragged_attention
+
+    _, lean = _pair(tiny_pair[0], pack=False)
+
+    def run():
+        kvs = [lean.new_cache() for _ in plan]  # slots in this order
+        rows = []
+        for b in order or range(len(plan)):
+            past, new = plan[b]
+            if past:
+                forward_one(lean, Row(tokens=_ids(lean, past, 10 + b), kv=kvs[b], start=0,
+                                      keep=1), "cpu")
+            rows.append(Row(tokens=_ids(lean, new, 20 + b), kv=kvs[b], start=past, keep=new))
+        assert all(kv.slot is not None for kv in kvs)  # the pass attends in pool slots
+        return lean.forward_ragged(rows)
+
+    fast = run()
+    made = ragged_attention.plan
+
+    def general(*args, **kwargs):  # the plans without their shortcuts; True = may attend
+        return [dataclasses.replace(p, mask=p.mask == 0, span=None, dense=False)
+                for p in made(*args, **kwargs)]
+
+    monkeypatch.setattr(ragged_attention, "plan", general)
+    for got, want in zip(fast, run(), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_wrapping_keeps_weights_state_dict_and_fingerprint(tiny_pair):
