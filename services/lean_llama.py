@@ -320,10 +320,14 @@ class LeanLlama(torch.nn.Module):
         starts = [e - m for e, m in zip(ends, sizes, strict=True)]
         T = ends[-1]
         dev = self.hf.model.embed_tokens.weight.device
-        ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long,
-                           device=dev)[None]  # [1, T]
-        positions = torch.cat([torch.arange(r.start, r.start + m, device=dev)
-                               for r, m in zip(rows, sizes, strict=True)])[None]  # [1, T]
+        # the pass's token ids, positions and rows with logits, in one copy to the device
+        staged = torch.tensor(
+            [t for r in rows for t in r.tokens]
+            + [p for r, m in zip(rows, sizes, strict=True) for p in range(r.start, r.start + m)]
+            + [j for r, e in zip(rows, ends, strict=True) for j in range(e - r.keep, e)],
+            dtype=torch.long, device=dev)
+        ids, positions = staged[:T][None], staged[T:2 * T][None]  # [1, T] each
+        wanted = staged[2 * T:]  # [K]
         x = self.hf.model.embed_tokens(ids)  # [1, T, h]
         cos, sin = self.hf.model.rotary_emb(x, positions)  # [1, T, D]
         cos, sin = cos[0][:, None], self._signed(sin)[0][:, None]  # [T, 1, D], over heads
@@ -374,8 +378,6 @@ class LeanLlama(torch.nn.Module):
             gate, up = w.gate_up(h).split([self._inter, self._inter], dim=-1)
             x = x + w.down(F.silu(gate) * up)
         ragged_attention.advance(rows, plans + [p for c in cascades for p in c.pooled])
-        wanted = torch.tensor([j for r, e in zip(rows, ends, strict=True)
-                               for j in range(e - r.keep, e)], device=dev)  # [K] with logits
         x = self._rms(x[:, wanted], self.hf.model.norm.weight)  # [1, K, h]
         logits = self._lm_head(x)[0].float()  # [K, V]
         return list(logits.split([r.keep for r in rows]))

@@ -101,19 +101,23 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
             pos += range(start, start + m)
             j += range(m)
             limit[s - lo] = [start + min(i, m - 1) for i in range(width)]
-        slot_t = torch.tensor(slot, device=device)
-        last = torch.tensor(limit, device=device)  # [n, M]
+        # the plan's indices in one copy to the device: tok, slot, pos, j [P] each, the
+        # padded queries' last visible keys [n M], and a cascade's columns [P]
+        cols = [] if columns is None else [columns[t] for t in tok]
+        P = len(tok)
+        staged = torch.tensor(tok + slot + pos + j + [x for row in limit for x in row] + cols,
+                              dtype=torch.long, device=device)
+        slot_t = staged[P:2 * P]
+        last = staged[4 * P:4 * P + n * width].view(n, width)  # [n, M]
         hidden = (torch.arange(since, keys, device=device)[None, None]
                   > last[:, :, None]).repeat(1, group, 1)[:, None]  # [n, 1, G M, L - since]
         mask = torch.zeros(hidden.shape, dtype=pool.dtype, device=device).masked_fill_(
             hidden, float("-inf"))
         consecutive = tok == list(range(tok[0], tok[0] + len(tok)))
         plans.append(PooledRows(
-            segment=segment, rows=idx, tok=torch.tensor(tok, device=device), slot=slot_t,
-            pos=torch.tensor(pos, device=device), rel=slot_t - lo,
-            j=torch.tensor(j, device=device), lo=lo, n=n, width=width, keys=keys, mask=mask,
-            since=since, cols=None if columns is None else torch.tensor(
-                [columns[t] for t in tok], device=device),
+            segment=segment, rows=idx, tok=staged[:P], slot=slot_t, pos=staged[2 * P:3 * P],
+            rel=slot_t - lo, j=staged[3 * P:4 * P], lo=lo, n=n, width=width, keys=keys,
+            mask=mask, since=since, cols=None if columns is None else staged[-P:],
             span=slice(tok[0], tok[-1] + 1) if consecutive else None,
             dense=width == 1 and slot == list(range(lo, lo + n))))
     return plans
