@@ -245,6 +245,10 @@ def bench(
              "and `specmesh drafter` put it (--device cuda: the target on the accelerator, "
              "the drafter on the CPU beside it; --drafter-device cuda shares the "
              "accelerator).")] = "",
+    verifier_replicas: Annotated[int, typer.Option(
+        min=1, help="Verifier replicas of the local mesh, each its own process (the gateway "
+                    "spreads sessions over them), as `specmesh up --verifiers` starts them.")
+                         ] = 1,
     out: Annotated[Path, typer.Option(help="Where bench.json, bench.md and the PNG plots go.")
                    ] = Path("bench-results"),
     seed: Annotated[int, typer.Option(help="Sampling seed sent with every request (greedy "
@@ -300,6 +304,10 @@ def bench(
             raise typer.BadParameter(problem, param_hint=f"'{option}'")
     if bool(target) != bool(drafter):
         raise typer.BadParameter("give both --target and --drafter, or neither")
+    if addr and verifier_replicas != 1:
+        raise typer.BadParameter("--verifier-replicas sizes the local mesh; a gateway given by "
+                                 "--addr has its own replicas", param_hint="'--verifier-replicas'")
+    replicas = None if addr else verifier_replicas  # (the report's: a remote mesh's unknown)
     keys = [x for x in keys if not (no_hf and x in HF_KEYS)]
     try:
         peer_list = parse_peers(peer or [])
@@ -330,6 +338,7 @@ def bench(
 
             mesh = start_mesh(MeshSpec(
                 target=target, draft=drafter, port=free_port(), drafters=1,
+                verifiers=verifier_replicas,
                 ngram_drafters=int("ngram" in keys), log_dir=out / "logs",
                 extra_gateway_args=("--metrics-port", str(metrics_port)),
                 extra_verifier_args=service_args(device),
@@ -363,6 +372,7 @@ def bench(
                      "modes": keys, "threads": threads,
                      "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
                      "drafter_device": drafter_device,
+                     "verifier_replicas": replicas,
                      "seed": seed, "shared_prefix_tokens": prefix_tokens,
                      "address": address,
                      "peers": [{"name": p.name, "url": p.url, "model": m} for p, m in peers],

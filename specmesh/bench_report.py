@@ -264,13 +264,15 @@ def _md_table(header, rows: list[list[str]], left: int = 1) -> list[str]:
 
 
 def device_note(settings: dict) -> str:
-    """Where the models ran, for the report's first line ("" for an all-CPU run)."""
+    """Where the models ran, for the report's first line ("" for an all-CPU run with one
+    verifier)."""
     device = settings.get("device", "cpu")
     drafter = settings.get("drafter_device", device)
-    if device == drafter == "cpu":
-        return ""
-    return f"models on {device}" + (f", the model drafter on {drafter}" if drafter != device
-                                     else "") + "; "
+    replicas = settings.get("verifier_replicas") or 1
+    where = "" if device == drafter == "cpu" else (
+        f"models on {device}" + (f", the model drafter on {drafter}" if drafter != device
+                                 else "") + "; ")
+    return where + (f"{replicas} verifier replicas; " if replicas > 1 else "")
 
 
 def markdown(report: dict) -> str:

@@ -380,6 +380,28 @@ def test_the_report_says_where_the_models_ran():
     assert device_note({"device": "cuda", "drafter_device": "cuda"}) == "models on cuda; "
     assert device_note({"device": "cuda", "drafter_device": "cpu"}) == (
         "models on cuda, the model drafter on cpu; ")
+    assert device_note({"device": "cpu", "drafter_device": "cpu", "verifier_replicas": 2}) == (
+        "2 verifier replicas; ")
+    assert device_note({"device": "cpu", "drafter_device": "cpu", "verifier_replicas": 1}) == ""
+
+
+def test_the_bench_can_run_its_local_mesh_with_several_verifiers(tiny_pair, tmp_path):
+    """--verifier-replicas N starts N verifier processes, as `specmesh up --verifiers N`
+    does (the verifier tier scaled on its own): the report says so and the outputs still
+    equal target-only's."""
+    target, draft = tiny_pair
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(app, ["bench", "--target", target, "--drafter", draft,
+                                      "--modes", "target,model", "--no-hf", "--concurrency",
+                                      "4", "--prompts", "4", "--max-new-tokens", "8",
+                                      "--verifier-replicas", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["verifier_replicas"] == 2
+    assert all(r["outputs_match"] is True and r["errors"] == 0 for r in report["rows"])
+    assert sorted(p.name for p in (out / "logs").glob("verifier-*.log")) == [
+        "verifier-0.log", "verifier-1.log"]
+    assert "2 verifier replicas; " in (out / "bench.md").read_text().splitlines()[2]
 
 
 def test_the_drafter_stays_on_the_cpu_unless_the_bench_is_told_otherwise():

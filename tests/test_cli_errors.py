@@ -38,6 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
     (["drafter", "--model", str(ROOT / "models/demo-drafter"), "--device", "cuda:99"],
      "--device"),
     (["bench", "--drafter-device", "cuda:99", "--no-hf"], "--drafter-device"),
+    (["bench", "--verifier-replicas", "0", "--no-hf"], "--verifier-replicas"),
+    (["bench", "--addr", "127.0.0.1:1", "--verifier-replicas", "2", "--no-hf"],
+     "--verifier-replicas"),
     (["gateway", "--redis", "redis://x", "--parent-pid", "-1"], "--parent-pid"),
     (["generate", "x", "--no-such-option"], "--no-such-option"),
 ])
