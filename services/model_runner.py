@@ -154,13 +154,12 @@ class ModelRunner:
                 if not active:
                     continue
                 passes = await loop.run_in_executor(self._executor, self._passes, active)
-                for _, ms in passes:
-                    self.stats.forward_ms += ms
-                    self.stats.forward_passes += 1
                 # every job took part in every pass, and only the last can have ended one
                 # (``_passes``): each is settled once, with all of their compute
-                ms = sum(ms for _, ms in passes)
+                ms = sum(pass_ms for _, pass_ms in passes)
                 errors = passes[-1][0]
+                self.stats.forward_ms += ms
+                self.stats.forward_passes += len(passes)
                 active = [a for a, error in zip(active, errors, strict=True)
                           if not self._settle(a, error, ms, len(active))]
         except BaseException as exc:  # the model thread is gone (shutdown): fail every waiter

@@ -44,17 +44,6 @@ from specmesh.bench_modes import (
 from specmesh.bench_peers import Peer, parse_peers, run_peer_level, served_model
 from specmesh.up_cli import default_pair
 
-# The model drafter's device unless --drafter-device says otherwise: where `specmesh up` and
-# `specmesh drafter` put it, whatever --device the target is on (on an H100, the defaults ran
-# at 0.86x / 0.78x target-only at 1 / 8 streams with the drafter on the GPU beside the
-# verifier, 0.99x / 1.01x with it on the CPU, in one call: docs/performance.md)
-DRAFTER_DEVICE = "cpu"
-
-
-def drafter_device_of(option: str) -> str:
-    """The model drafter's device for ``--drafter-device`` (empty: not given)."""
-    return option or DRAFTER_DEVICE
-
 
 @dataclass
 class BenchOptions:
@@ -241,10 +230,10 @@ def bench(
     device: Annotated[str, typer.Option(help="Device of the local mesh's models and of the HF "
                                              "rows.")] = "cpu",
     drafter_device: Annotated[str, typer.Option(
-        help="Device of the local mesh's model drafter; default: cpu, where `specmesh up` "
-             "and `specmesh drafter` put it (--device cuda: the target on the accelerator, "
-             "the drafter on the CPU beside it; --drafter-device cuda shares the "
-             "accelerator).")] = "",
+        help="Device of the local mesh's model drafter: the CPU by default, where `specmesh "
+             "up` and `specmesh drafter` put it whatever --device is (--device cuda: the "
+             "target on the accelerator, the drafter on the CPU beside it; --drafter-device "
+             "cuda shares the accelerator).")] = "cpu",
     verifier_replicas: Annotated[int, typer.Option(
         min=1, help="Verifier replicas of the local mesh, each its own process (the gateway "
                     "spreads sessions over them), as `specmesh up --verifiers` starts them.")
@@ -296,7 +285,6 @@ def bench(
         raise typer.BadParameter(f"--concurrency: {exc}") from exc
     if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
         raise typer.BadParameter("--concurrency takes distinct positive integers, e.g. 1,4,8")
-    drafter_device = drafter_device_of(drafter_device)
     from services.models import device_problem
 
     for option, value in (("--device", device), ("--drafter-device", drafter_device)):

@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
+import typer.main
 from typer.testing import CliRunner
 
 from gateway.adaptive import expected_tokens
-from specmesh.bench import drafter_device_of
 from specmesh.bench_costs import (
     cost_figures,
     efficiency,
@@ -407,9 +407,10 @@ def test_the_bench_can_run_its_local_mesh_with_several_verifiers(tiny_pair, tmp_
 def test_the_drafter_stays_on_the_cpu_unless_the_bench_is_told_otherwise():
     """`--device cuda` alone benchmarks what `specmesh up` runs on a GPU machine: the
     verifier on the GPU, the model drafter on the CPU (not both on the GPU, as before)."""
-    assert drafter_device_of("") == "cpu"
-    assert drafter_device_of("cuda") == "cuda"
-    assert drafter_device_of("cuda:1") == "cuda:1"
+    bench = typer.main.get_command(app).commands["bench"]
+    options = {p.name: p for p in bench.params}
+    assert options["drafter_device"].default == "cpu"
+    assert options["device"].default == "cpu"  # (so "--device cuda" alone changes the target's)
 
 
 def test_shared_prefix_prompts_start_with_one_context_of_the_asked_length(tiny_pair):
