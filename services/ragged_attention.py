@@ -60,9 +60,10 @@ class PooledRows:
     cols: torch.Tensor | None = None  # [P] with since > 0: each token's column in its group
     # The common decode pass (one stream's, and rows in slot order): the rows' tokens are
     # the pass's tokens [a, b) in order (``span``; else None) and each slot of the window is
-    # one row with one new token, in order (``dense``). Then their queries, keys and values
-    # are views of the pass's, nothing is padded and the outputs need no gathering: four
-    # to eight operators a layer fewer (on a GPU, kernel launches), the same floats.
+    # one row with one new token, in order (``dense``). With ``span`` the rows' queries,
+    # keys and values are slices of the pass's, not gathered; with ``dense`` the queries
+    # are not scattered into a zero-filled padded batch nor the outputs gathered back out
+    # of it. The same floats, fewer operators (on a GPU, kernel launches).
     span: slice | None = None
     dense: bool = False
 
