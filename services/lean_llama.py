@@ -24,13 +24,9 @@ this module does not support falls back to the HF forward (``lean_forward`` says
 The tests check its logits against HF's, alone and batched with padding.
 
 On a CPU with float32 weights the projections and the LM head are also prepacked once for
-oneDNN (``pack=True``, the ``auto`` mode). PyTorch's own ``linear`` repacks the weight on
-every call with more than one row, so a pass over 4 tokens cost 1.6-1.8x a pass over one on
-these machines; with prepacked weights it costs about the same as one (docs/performance.md,
-"Issue #14, third session"). The packed copies take the projections' memory a second time,
-and the kernels sum in another order: logits differ from transformers' by ~1e-5 (within the
-tests' bound), about as much as PyTorch's own results for a position differ between a pass
-over one row and one over four. ``pack=False`` (the ``lean`` mode) runs PyTorch's ``linear``.
+oneDNN (``pack=True``; the ``auto`` and ``packed`` modes), and with ``half=True`` (``auto``)
+weights whose values are exactly 16-bit numbers get 16-bit copies for passes over few rows
+(services/linear_layers.py says why and what each costs). ``lean`` runs PyTorch's ``linear``.
 """
 
 from __future__ import annotations
@@ -41,9 +37,10 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from services import ragged_attention
+from services import half_linear, ragged_attention
 from services.config import FORWARD_MODES
 from services.kv_slab import POOL_SEGMENT, KVPool, SlabCache, free_memory, pool_slots
+from services.linear_layers import Linear, packing_unavailable
 
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
@@ -64,47 +61,14 @@ def unsupported_reason(model) -> str:
     return ""
 
 
-def packing_unavailable(weight: torch.Tensor) -> str:
-    """Why ``weight`` cannot be prepacked for oneDNN ("" when it can)."""
-    if weight.device.type != "cpu":
-        return f"weights on {weight.device.type}, not the CPU"
-    if weight.dtype != torch.float32:
-        return f"{weight.dtype} weights"
-    if not torch.backends.mkldnn.is_available():
-        return "this PyTorch has no oneDNN"
-    try:
-        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 - present in this build?
-        torch.ops.mkldnn._linear_pointwise  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return "this PyTorch lacks oneDNN's prepacked linear"
-    return ""
-
-
-class _Linear:
-    """x @ W.T for one weight [out, in]: PyTorch's ``linear``, or oneDNN's on a copy of W
-    packed once (see the module docstring)."""
-
-    __slots__ = ("weight", "packed")
-
-    def __init__(self, weight: torch.Tensor, pack: bool) -> None:
-        self.weight = weight
-        # the row count is a blocking hint; the kernel serves any number of rows
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if pack else None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-
-
 @dataclass(frozen=True)
 class _Layer:
     ln1: torch.Tensor
-    qkv: _Linear  # [(H + 2 KV) D, h]
-    o: _Linear
+    qkv: Linear  # [(H + 2 KV) D, h]
+    o: Linear
     ln2: torch.Tensor
-    gate_up: _Linear  # [2 I, h]
-    down: _Linear
+    gate_up: Linear  # [2 I, h]
+    down: Linear
 
 
 @dataclass
@@ -130,9 +94,11 @@ class LeanLlama(torch.nn.Module):
     its ``update`` and ``get_seq_length`` are used), ``attention_mask``
     (2-D, 1 = real key, covering past and new positions; or 4-D [B, 1, m, keys] as SDPA takes
     it, used as given) and ``logits_to_keep``. ``pack``: prepack the weights for oneDNN
-    where ``packing_unavailable`` allows it."""
+    where ``packing_unavailable`` allows it; ``half``: also keep 16-bit copies of the weights
+    that are exactly 16-bit numbers, for calls over few rows (services/half_linear.py;
+    ``half_weights`` says how many were made, or why none)."""
 
-    def __init__(self, model, pack: bool = False) -> None:
+    def __init__(self, model, pack: bool = False, half: bool = False) -> None:
         super().__init__()
         reason = unsupported_reason(model)
         if reason:
@@ -146,16 +112,30 @@ class LeanLlama(torch.nn.Module):
         self._inter = c.intermediate_size
         self._eps = c.rms_norm_eps
         self.packed = pack and not packing_unavailable(model.lm_head.weight)
+        why_not = (packing_unavailable(model.lm_head.weight) or half_linear.kernel()) if half \
+            else "not asked for"
+        made: list[torch.dtype] = []
+
+        def linear(weight: torch.Tensor) -> Linear:
+            dtype = None if why_not else half_linear.exact_dtype(weight)
+            made.extend([dtype] if dtype else [])
+            return Linear(weight, self.packed, dtype)
+
         self._layers = []
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             self._layers.append(_Layer(
                 ln1=layer.input_layernorm.weight,
-                qkv=_Linear(_fuse(a.q_proj, a.k_proj, a.v_proj), self.packed),
-                o=_Linear(a.o_proj.weight, self.packed), ln2=layer.post_attention_layernorm.weight,
-                gate_up=_Linear(_fuse(mlp.gate_proj, mlp.up_proj), self.packed),
-                down=_Linear(mlp.down_proj.weight, self.packed)))
-        self._lm_head = _Linear(model.lm_head.weight, self.packed)
+                qkv=linear(_fuse(a.q_proj, a.k_proj, a.v_proj)),
+                o=linear(a.o_proj.weight), ln2=layer.post_attention_layernorm.weight,
+                gate_up=linear(_fuse(mlp.gate_proj, mlp.up_proj)),
+                down=linear(mlp.down_proj.weight)))
+        self._lm_head = linear(model.lm_head.weight)
+        total = 4 * len(self._layers) + 1
+        self.half_weights = (f"none ({why_not})" if why_not else
+                             f"{len(made)} of {total} weights as "
+                             f"{'/'.join(sorted({str(d).removeprefix('torch.') for d in made}))}"
+                             if made else f"none of {total} weights is exactly 16-bit")
         weight = model.lm_head.weight
         # caches are slots of one pool while there are slots: a pass attends over many in
         # one call per layer (on a GPU, one kernel instead of one per session and layer)
@@ -394,4 +374,6 @@ def lean_forward(model, mode: str):
     if mode == "hf":
         return model, "--forward hf"
     reason = unsupported_reason(model)
-    return (model, reason) if reason else (LeanLlama(model, pack=mode == "auto"), "")
+    if reason:
+        return model, reason
+    return LeanLlama(model, pack=mode in ("auto", "packed"), half=mode == "auto"), ""

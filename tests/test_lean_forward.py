@@ -28,23 +28,31 @@ DEMO_TARGET = "models/demo-target"
 TOL = dict(atol=2e-5, rtol=1e-5)
 
 
-def _pair(path: str, pack: bool):
+def _pair(path: str, pack: bool, half: bool = False):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return hf, LeanLlama(twin, pack=pack)
+    if half:  # both models' weights become float16 numbers (the demo pair's already are)
+        for model in (hf, twin):
+            for p in model.parameters():
+                p.data = p.data.half().float()
+    return hf, LeanLlama(twin, pack=pack, half=half)
 
 
 @pytest.fixture(scope="module", params=[(model, pack) for model in ("tiny-target", "tiny-draft",
                                                                      "demo-target")
-                                        for pack in ("lean", "packed")],
+                                        for pack in ("lean", "packed", "half")],
                 ids=lambda p: "-".join(p))
 def models(request, tiny_pair):
-    """(HF model, lean twin): "lean" runs PyTorch's linear, "packed" oneDNN's prepacked one."""
+    """(HF model, lean twin): "lean" runs PyTorch's linear, "packed" oneDNN's prepacked one,
+    "half" that and, for calls of up to 32 rows, the 16-bit kernel (services/half_linear.py)
+    on weights rounded to float16 in both models."""
     name, pack = request.param
     path = {"tiny-target": tiny_pair[0], "tiny-draft": tiny_pair[1],
             "demo-target": DEMO_TARGET}[name]
-    hf, lean = _pair(path, pack == "packed")
-    assert lean.packed == (pack == "packed")  # packing is available on these CPU machines
+    hf, lean = _pair(path, pack != "lean", half=pack == "half")
+    assert lean.packed == (pack != "lean")  # packing is available on these CPU machines
+    if pack == "half":  # every weight has its copy: the kernel builds and runs on these CPUs
+        assert lean.half_weights.startswith(f"{4 * len(lean._layers) + 1} of ")
     return hf, lean
 
 
@@ -200,7 +208,7 @@ def test_unsupported_models_keep_the_hf_forward(tiny_pair):
     model.config.attention_bias = False
     assert isinstance(lean_forward(model, "auto")[0], LeanLlama)
     assert lean_forward(model, "hf")[0] is model
-    with pytest.raises(ValueError, match="auto, lean, hf"):
+    with pytest.raises(ValueError, match="auto, packed, lean, hf"):
         lean_forward(model, "fast")
 
 
@@ -215,6 +223,20 @@ def test_auto_prepacks_float32_cpu_weights_and_lean_does_not(tiny_pair):
     half = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float16).eval()
     assert "float16" in packing_unavailable(half.lm_head.weight)
     assert not lean_forward(half, "auto")[0].packed
+
+
+def test_auto_keeps_16_bit_copies_of_exactly_16_bit_weights_only(tiny_pair):
+    """--forward auto gives every weight of the demo target (a float16 checkpoint) a float16
+    copy, --forward packed none; the tiny pair's random float32 weights are not 16-bit
+    numbers, so they get none and run as before."""
+    demo = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
+    assert lean_forward(demo, "auto")[0].half_weights == "25 of 25 weights as float16"
+    demo = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
+    assert lean_forward(demo, "packed")[0].half_weights == "none (not asked for)"
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float32).eval()
+    lean = lean_forward(tiny, "auto")[0]
+    total = 4 * lean.config.num_hidden_layers + 1
+    assert lean.half_weights == f"none of {total} weights is exactly 16-bit"
 
 
 def test_slab_cache_writes_in_place_and_rolls_back_by_length():

@@ -1,0 +1,62 @@
+"""How the lean forward's linear layers run (services/lean_llama.py): PyTorch's ``linear``,
+oneDNN's on weights prepacked once, and the 16-bit kernel for calls over few rows.
+
+On a CPU with float32 weights the projections and the LM head are prepacked once for oneDNN
+(``pack``). PyTorch's own ``linear`` repacks the weight on every call with more than one row,
+so a pass over 4 tokens cost 1.6-1.8x a pass over one on these machines; with prepacked
+weights it costs about the same as one (docs/performance.md, "Issue #14, third session").
+The packed copies take the projections' memory a second time, and the kernels sum in another
+order: logits differ from transformers' by ~1e-5 (within the tests' bound), about as much as
+PyTorch's own results for a position differ between a pass over one row and one over four.
+
+Weights whose values are exactly 16-bit numbers (a float16 or bfloat16 checkpoint loaded as
+float32) also get a 16-bit copy, which a call over at most ``half_linear.ROWS_MAX`` rows
+reads instead: half the memory traffic for the same float32 products and sums
+(services/half_linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services import half_linear
+
+
+def packing_unavailable(weight: torch.Tensor) -> str:
+    """Why ``weight`` cannot be prepacked for oneDNN ("" when it can)."""
+    if weight.device.type != "cpu":
+        return f"weights on {weight.device.type}, not the CPU"
+    if weight.dtype != torch.float32:
+        return f"{weight.dtype} weights"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch has no oneDNN"
+    try:
+        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 - present in this build?
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return "this PyTorch lacks oneDNN's prepacked linear"
+    return ""
+
+
+class Linear:
+    """x @ W.T for one weight [out, in]: PyTorch's ``linear``, or oneDNN's on a copy of W
+    packed once (see the module docstring); with ``half``, a call over at most
+    ``half_linear.ROWS_MAX`` rows runs on a 16-bit copy of W (services/half_linear.py: only
+    when W's values are exactly 16-bit numbers)."""
+
+    __slots__ = ("weight", "packed", "half", "_limit")
+
+    def __init__(self, weight: torch.Tensor, pack: bool, half: torch.dtype | None = None) -> None:
+        self.weight = weight
+        # the row count is a blocking hint; the kernel serves any number of rows
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if pack else None
+        self.half = None if half is None else half_linear.blocks(weight, half)
+        self._limit = half_linear.ROWS_MAX * weight.shape[1]  # elements of x
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.half is not None and x.numel() <= self._limit:
+            return half_linear.linear(x, self.half, self.weight.shape[0])
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
