@@ -37,7 +37,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from services import half_linear, ragged_attention
+from services import cpu_kernels, half_linear, ragged_attention
 from services.config import FORWARD_MODES
 from services.kv_slab import POOL_SEGMENT, KVPool, SlabCache, free_memory, pool_slots
 from services.linear_layers import Linear, packing_unavailable
@@ -112,7 +112,7 @@ class LeanLlama(torch.nn.Module):
         self._inter = c.intermediate_size
         self._eps = c.rms_norm_eps
         self.packed = pack and not packing_unavailable(model.lm_head.weight)
-        why_not = (packing_unavailable(model.lm_head.weight) or half_linear.kernel()) if half \
+        why_not = (packing_unavailable(model.lm_head.weight) or cpu_kernels.kernel()) if half \
             else "not asked for"
         made: list[torch.dtype] = []
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services import cpu_kernels
 from services.params import SamplingParams  # noqa: F401 - re-exported
 
 _ROW_SUM_TOL = 1e-3
@@ -36,7 +37,7 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     vocab = logits.shape[-1]
     x = logits.to(torch.float32)  # [..., V]
     if params.greedy:
-        return torch.nn.functional.one_hot(x.argmax(dim=-1), vocab).to(torch.float32)  # [..., V]
+        return torch.nn.functional.one_hot(cpu_kernels.argmax(x), vocab).to(torch.float32)  # [..., V]
 
     x = x / params.temperature  # [..., V]
     if 0 < params.top_k < vocab:
@@ -111,7 +112,7 @@ def sparse_draft_sample_rows(
     q = [1], and no generator is drawn from (the draw could only pick that token).
     """
     if greedy:
-        tokens = probs.argmax(dim=-1).tolist()  # [B]
+        tokens = cpu_kernels.argmax(probs).tolist()  # [B]
         return [(t, [t], [1.0]) for t in tokens]
     if probs.dim() != 2 or probs.shape[0] != len(generators):
         raise ValueError(f"probs must have shape [B={len(generators)}, V], got {tuple(probs.shape)}")
@@ -197,7 +198,7 @@ def accept_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple
     k = draft_ids.shape[0]
     if target_logits.dim() != 2 or target_logits.shape[0] != k + 1 or target_logits.shape[1] < 1:
         raise ValueError(f"target_logits must have shape [k+1={k + 1}, V], got {tuple(target_logits.shape)}")
-    best = target_logits.argmax(dim=-1).tolist()  # [k+1]
+    best = cpu_kernels.argmax(target_logits).tolist()  # [k+1]
     drafts = draft_ids.tolist()  # [k]: one tensor op and two reads, not seven ops, per row
     num_accepted = 0
     while num_accepted < k and drafts[num_accepted] == best[num_accepted]:

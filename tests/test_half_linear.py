@@ -1,4 +1,4 @@
-"""The 16-bit-weight linear kernel (services/half_linear.py, services/csrc/half_linear.cpp).
+"""The 16-bit-weight linear kernel (services/half_linear.py, services/csrc/cpu_kernels.cpp).
 
 The kernel is compiled with this machine's C++ compiler on first use, as a replica does; on
 these machines it must build and run (a CPU with AVX2 at least), so a failure to build fails
@@ -7,21 +7,17 @@ here rather than quietly leaving the replicas on float32 weights.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from services import half_linear
+from services import cpu_kernels, half_linear
 
 EPS = torch.finfo(torch.float32).eps
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel_ready():
-    assert half_linear.kernel() == ""
+    assert cpu_kernels.kernel() == ""
 
 
 def _weight(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -67,7 +63,7 @@ def test_a_row_gets_the_same_floats_alone_in_a_batch_and_on_any_threads():
 def test_the_avx2_kernel_gives_the_avx512_kernels_floats():
     """Both kernels sum each output in the same order with FMAs: the same floats, so the
     machine a replica runs on does not change its logits."""
-    if torch.ops.specmesh_half.isa() != "avx512":
+    if torch.ops.specmesh_cpu.isa() != "avx512":
         pytest.skip("this CPU runs the AVX2 kernel only; the comparison needs AVX-512")
     for dtype in (torch.float16, torch.bfloat16):
         w = _weight(200, 97, dtype, seed=3)
@@ -110,37 +106,3 @@ def test_bad_arguments_are_refused_with_what_to_fix(call, message):
     blocks = half_linear.blocks(_weight(40, 6, torch.float16, seed=7), torch.float16)
     with pytest.raises(RuntimeError, match=message):
         call(blocks)
-
-
-def _load_elsewhere(tmp_path, env: dict[str, str], prebuild: bool = False) -> str:
-    """``load()``'s answer in a fresh Python process (a process that loaded the kernel keeps
-    it) whose source is a copy in ``tmp_path``: no prebuilt file beside it unless asked."""
-    source = tmp_path / "csrc" / half_linear.SOURCE.name
-    source.parent.mkdir(exist_ok=True)
-    source.write_bytes(half_linear.SOURCE.read_bytes())
-    code = ("import sys; from pathlib import Path; from services import half_linear as h; "
-            f"h.SOURCE = Path({str(source)!r}); "
-            + ("h.prebuild(); " if prebuild else "")
-            + "print(repr(h.load()))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), **env},
-                          timeout=240, check=True)
-    return done.stdout.strip()
-
-
-def test_a_failed_build_is_reported_not_raised(tmp_path):
-    """Without a working compiler the replica keeps float32 weights and says why."""
-    reason = _load_elsewhere(tmp_path, {"CXX": "false"})  # a "compiler" that fails
-    assert "compiling half_linear.cpp failed" in reason
-    assert not list((tmp_path / "cache").rglob("*.so"))  # no half-built file left
-    assert "no-such-compiler" in _load_elsewhere(
-        tmp_path, {"CXX": str(tmp_path / "no-such-compiler")})
-
-
-def test_a_prebuilt_kernel_beside_the_source_is_loaded_without_a_compiler(tmp_path):
-    """An image compiles the kernel at build time (``prebuild``, docker/Dockerfile) and runs
-    without a compiler: ``load`` takes the file beside the source and compiles nothing."""
-    assert _load_elsewhere(tmp_path, {}, prebuild=True) == "''"
-    assert list((tmp_path / "csrc").glob("half_linear-*.so"))
-    assert _load_elsewhere(tmp_path, {"CXX": "false"}) == "''"  # compiling would fail
-    assert not list((tmp_path / "cache").rglob("*.so"))

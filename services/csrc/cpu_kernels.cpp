@@ -1,3 +1,5 @@
+// The CPU kernels of services/cpu_kernels.py: a linear layer over 16-bit weights, and a row argmax.
+//
 // y = x @ W^T for float32 activations and weights stored in 16 bits (fp16 or bf16), computed in
 // float32: each weight is widened exactly and every product and sum is a float32 FMA, so the
 // result is a float32 linear layer over the same numbers (services/half_linear.py says when
@@ -98,6 +100,73 @@ template <bool BF16> Kernel avx2_kernel() {
                   tile256<BF16, 5>, tile256<BF16, 6>, nullptr, nullptr}};
 }
 
+// ---- argmax of a row: the first index of its largest value, the first NaN's if it has one
+// (torch.argmax's answer): a vector max, then the first index that holds it
+// The first NaN's index (a NaN is torch.argmax's largest value), or -1.
+inline int64_t first_nan(const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    if (x[j] != x[j]) return j;
+  return -1;
+}
+
+AVX512 int64_t argmax512(const float* x, int64_t n) {
+  int64_t i = 0;
+  float best = x[0];
+  __mmask16 nan = 0;
+  if (n >= 16) {
+    __m512 m = _mm512_loadu_ps(x);
+    for (i = 0; i + 16 <= n; i += 16) {
+      __m512 v = _mm512_loadu_ps(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, v);
+    }
+    best = _mm512_reduce_max_ps(m);
+  }
+  for (int64_t j = i; j < n; ++j) {
+    if (x[j] != x[j]) nan = 1;
+    best = x[j] > best ? x[j] : best;
+  }
+  if (nan || best != best) return first_nan(x, n);
+  const __m512 b = _mm512_set1_ps(best);
+  for (i = 0; i + 16 <= n; i += 16) {
+    __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), b, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i)
+    if (x[i] == best) return i;
+  return 0;
+}
+
+AVX2 int64_t argmax256(const float* x, int64_t n) {
+  int64_t i = 0;
+  float best = x[0];
+  int nan = 0;
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(x);
+    for (i = 0; i + 8 <= n; i += 8) {
+      __m256 v = _mm256_loadu_ps(x + i);
+      nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      m = _mm256_max_ps(m, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (float v : lanes) best = v > best ? v : best;
+  }
+  for (int64_t j = i; j < n; ++j) {
+    if (x[j] != x[j]) nan = 1;
+    best = x[j] > best ? x[j] : best;
+  }
+  if (nan || best != best) return first_nan(x, n);
+  const __m256 b = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= n; i += 8) {
+    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), b, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i)
+    if (x[i] == best) return i;
+  return 0;
+}
+
 // "avx512", "avx2" or "" (neither: the Python side then keeps float32 weights)
 std::string isa() {
   __builtin_cpu_init();
@@ -155,9 +224,26 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
   return (n == Np ? y : y.narrow(1, 0, n).contiguous()).view(shape);
 }
 
-std::string half_linear_isa() { return isa(); }
+// x [R, V] float32 -> [R] int64: each row's argmax, as torch.argmax(x, -1) gives it
+at::Tensor argmax_rows(const at::Tensor& x, const std::string& want) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.size(1) > 0,
+              "argmax: x must be a float32 [rows, V] CPU tensor with V > 0");
+  static const std::string found = isa();
+  TORCH_CHECK(!found.empty(), "argmax: this CPU has neither AVX-512 nor AVX2");
+  TORCH_CHECK(want.empty() || want == "avx2" || want == found,
+              "argmax: isa must be \"\", \"avx2\" or this CPU's (", found, "), got ", want);
+  auto fn = (found == "avx512" && want != "avx2") ? argmax512 : argmax256;
+  const auto xs = x.contiguous();
+  auto out = at::empty({xs.size(0)}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < xs.size(0); ++r) o[r] = fn(xs.data_ptr<float>() + r * xs.size(1), xs.size(1));
+  return out;
+}
 
-TORCH_LIBRARY(specmesh_half, m) {
+std::string cpu_isa() { return isa(); }
+
+TORCH_LIBRARY(specmesh_cpu, m) {
   m.def("linear(Tensor x, Tensor wp, int n, str isa=\"\") -> Tensor", &half_linear);
-  m.def("isa() -> str", &half_linear_isa);
+  m.def("argmax(Tensor x, str isa=\"\") -> Tensor", &argmax_rows);
+  m.def("isa() -> str", &cpu_isa);
 }

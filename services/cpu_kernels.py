@@ -1,0 +1,113 @@
+"""The project's CPU kernels (services/csrc/cpu_kernels.cpp): built with the machine's C++
+compiler on first use and loaded as PyTorch operators.
+
+- ``specmesh_cpu::linear``: a linear layer over 16-bit copies of exactly 16-bit float32 weights
+  (services/half_linear.py).
+- ``specmesh_cpu::argmax``: each row's argmax, torch.argmax's answer (the first largest value,
+  or the first NaN), in vector compares. PyTorch's CPU argmax walks a row element by element:
+  about 17 us for the demo pair's 8,192 logits, against about 3 us here with the call. A
+  verifier takes one per decoded token, so at 16 streams it was a tenth of the model thread's
+  time (py-spy; docs/performance.md).
+
+Each kernel is compiled for AVX-512 and for AVX2 with F16C and FMA and picked at run time, so
+the library suits any x86-64 CPU with AVX2. It is kept in ``cache_dir`` per source and PyTorch
+version, or shipped beside the source by an image built with a compiler (``prebuild``). Without
+either, or on another CPU, ``kernel`` says why and the callers keep PyTorch's operators.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+
+
+def cache_dir() -> Path:
+    """Where the compiled library is kept: ``$XDG_CACHE_HOME/specmesh`` (default ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specmesh" / "kernels"
+
+
+def _library_name() -> str:
+    """The kernel's file name for this source and this PyTorch: a new one when either changes
+    (the kernels inside are chosen at run time, so the file suits any x86-64 CPU)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    return f"cpu_kernels-{key}.so"
+
+
+def prebuild() -> Path:
+    """Compiles the kernel beside its source, where ``load`` looks first: an image built
+    with a compiler runs it without one (docker/Dockerfile)."""
+    path = SOURCE.parent / _library_name()
+    _compile(path)
+    return path
+
+
+def _compile(out: Path) -> None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    lib = Path(torch.__file__).parent / "lib"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(built),
+               f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines()
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {(lines or ['?'])[0].strip()}")
+        os.replace(built, out)  # atomic: a process racing this one loads either copy whole
+
+
+def _loaded() -> bool:
+    try:
+        torch.ops.specmesh_cpu.isa  # noqa: B018 - registered in this process?
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def load() -> str:
+    """Compiles the kernel (once per source and PyTorch: the file is kept in ``cache_dir``)
+    and loads it: "" when it is ready, else why it cannot run here."""
+    if _loaded():
+        return ""  # (a second library of the same operators would abort the process)
+    try:
+        path = SOURCE.parent / _library_name()  # prebuilt (``prebuild``)
+        if not path.exists():
+            path = cache_dir() / path.name
+            if not path.exists():
+                _compile(path)
+        torch.ops.load_library(str(path))
+        isa = torch.ops.specmesh_cpu.isa()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return "" if isa else "this CPU has neither AVX-512 nor AVX2 with F16C and FMA"
+
+
+kernel = functools.cache(load)  # load once per process
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) for float32 CPU logits [rows, V]: the kernel's when it is loaded in
+    this process (a replica loads it with its model), else PyTorch's."""
+    if x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and _loaded():
+        return torch.ops.specmesh_cpu.argmax(x)
+    return x.argmax(dim=-1)
+
+
+if __name__ == "__main__":  # python -m services.cpu_kernels: prebuild (docker/Dockerfile)
+    print(prebuild())
