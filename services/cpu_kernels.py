@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_NO_ISA = "this CPU has neither AVX-512 nor AVX2 with F16C and FMA"
 
 
 def cache_dir() -> Path:
@@ -80,22 +81,26 @@ def _loaded() -> bool:
     return True
 
 
+_ready: set[str] = set()  # {"ready"} once this process loaded the library and its CPU runs it
+
+
 def load() -> str:
     """Compiles the kernel (once per source and PyTorch: the file is kept in ``cache_dir``)
     and loads it: "" when it is ready, else why it cannot run here."""
-    if _loaded():
-        return ""  # (a second library of the same operators would abort the process)
-    try:
-        path = SOURCE.parent / _library_name()  # prebuilt (``prebuild``)
-        if not path.exists():
-            path = cache_dir() / path.name
+    if not _loaded():  # (a second library of the same operators would abort the process)
+        try:
+            path = SOURCE.parent / _library_name()  # prebuilt (``prebuild``)
             if not path.exists():
-                _compile(path)
-        torch.ops.load_library(str(path))
-        isa = torch.ops.specmesh_cpu.isa()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return "" if isa else "this CPU has neither AVX-512 nor AVX2 with F16C and FMA"
+                path = cache_dir() / path.name
+                if not path.exists():
+                    _compile(path)
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if not torch.ops.specmesh_cpu.isa():
+        return _NO_ISA
+    _ready.add("ready")
+    return ""
 
 
 kernel = functools.cache(load)  # load once per process
@@ -104,7 +109,7 @@ kernel = functools.cache(load)  # load once per process
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1) for float32 CPU logits [rows, V]: the kernel's when it is loaded in
     this process (a replica loads it with its model), else PyTorch's."""
-    if x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and _loaded():
+    if _ready and x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu":
         return torch.ops.specmesh_cpu.argmax(x)
     return x.argmax(dim=-1)
 
