@@ -18,6 +18,7 @@ $(VENV)/.installed-serve: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip setuptools wheel
 	$(PIP) -e .
+	$(BIN)/python -m services.cpu_kernels || echo "CPU kernels not prebuilt: a replica builds them on first use, or keeps float32 weights"
 	touch $@
 
 # The test suite and everything it exercises (bench, training, Kubernetes discovery).
