@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# How replicas run a model: the lean forward with prepacked CPU weights and 16-bit copies of
-# exactly 16-bit weights where supported, with prepacked weights only, with PyTorch's matmuls,
-# or transformers' own forward (services/lean_llama.py, services/half_linear.py).
+# How replicas run a model: the lean forward with 16-bit copies of exactly 16-bit CPU weights
+# and the others prepacked where supported, with every weight prepacked, with PyTorch's
+# matmuls, or transformers' own forward (services/lean_llama.py, services/linear_layers.py).
 FORWARD_MODES = ("auto", "packed", "lean", "hf")
 
 
@@ -127,8 +127,9 @@ class ModelServiceConfig:
     kv_budget_mb: int = 0  # KV cache memory budget; 0 = bounded by max_sessions only
     redis_url: str = ""  # register in this Redis (gateways with --discovery redis find it)
     advertise: str = ""  # address gateways should dial; "" = host:port (hostname for 0.0.0.0)
-    forward: str = "auto"  # "auto": the lean forward (prepacked weights and 16-bit copies
-    #   on a CPU) where supported; "packed": no 16-bit copies; "lean": neither; "hf": transformers'
+    forward: str = "auto"  # "auto": the lean forward (on a CPU, 16-bit copies of exactly
+    #   16-bit weights, the others prepacked) where supported; "packed": all prepacked;
+    #   "lean": neither; "hf": transformers'
     prefix_cache_mb: int = 256  # KV blocks of committed prefixes shared across sessions; 0 = off
     prefix_block: int = 16  # tokens per prefix-cache block
     prefill_chunk: int = 256  # a longer prompt is fed this many tokens per pass; 0 = at once

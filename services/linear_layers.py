@@ -10,9 +10,12 @@ order: logits differ from transformers' by ~1e-5 (within the tests' bound), abou
 PyTorch's own results for a position differ between a pass over one row and one over four.
 
 Weights whose values are exactly 16-bit numbers (a float16 or bfloat16 checkpoint loaded as
-float32) also get a 16-bit copy, which a call over at most ``half_linear.ROWS_MAX`` rows
-reads instead: half the memory traffic for the same float32 products and sums
-(services/half_linear.py).
+float32) get a 16-bit copy instead, which a call over at most ``half_linear.ROWS_MAX`` rows
+reads: half the memory traffic for the same float32 products and sums
+(services/half_linear.py). Longer calls (prompts) run PyTorch's ``linear`` on the float32
+weight, as fast there as the prepacked one (demo target, a 48- or 256-token prompt pass on one
+or two threads: within 5% either way, docs/performance.md), so the copy takes half the
+weights' memory where the packed one took all of it.
 """
 
 from __future__ import annotations
@@ -41,17 +44,20 @@ def packing_unavailable(weight: torch.Tensor) -> str:
 
 class Linear:
     """x @ W.T for one weight [out, in]: PyTorch's ``linear``, or oneDNN's on a copy of W
-    packed once (see the module docstring); with ``half``, a call over at most
-    ``half_linear.ROWS_MAX`` rows runs on a 16-bit copy of W (services/half_linear.py: only
-    when W's values are exactly 16-bit numbers)."""
+    packed once (see the module docstring); with ``half`` (only when W's values are exactly
+    16-bit numbers), a call over at most ``half_linear.ROWS_MAX`` rows runs on a 16-bit copy
+    of W and a longer one on PyTorch's ``linear``."""
 
     __slots__ = ("weight", "packed", "half", "_limit")
 
     def __init__(self, weight: torch.Tensor, pack: bool, half: torch.dtype | None = None) -> None:
         self.weight = weight
-        # the row count is a blocking hint; the kernel serves any number of rows
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if pack else None
         self.half = None if half is None else half_linear.blocks(weight, half)
+        # the row count is a blocking hint; the kernel serves any number of rows. A weight
+        # with a 16-bit copy is not packed: the calls that would read the packed copy have
+        # more than ROWS_MAX rows (prompts), where PyTorch's linear is as fast
+        pack = pack and self.half is None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if pack else None
         self._limit = half_linear.ROWS_MAX * weight.shape[1]  # elements of x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]

@@ -87,8 +87,8 @@ def load_for_serving(path: str, device_name: str, dtype: str, threads: int,
                      forward: str = "auto"):
     """Loads model and tokenizer, runs one warm-up forward; returns (model, meta, device).
     ``forward`` "auto" runs supported models with the lean forward (services/lean_llama.py)
-    and, on a CPU, prepacked weights and 16-bit copies of exactly 16-bit ones; "packed"
-    without the copies; "lean" without either; "hf" with transformers'."""
+    and, on a CPU, 16-bit copies of exactly 16-bit weights and the others prepacked;
+    "packed" every weight prepacked; "lean" none; "hf" with transformers'."""
     from services.lean_llama import lean_forward, packing_unavailable
 
     if threads > 0:
@@ -101,7 +101,8 @@ def load_for_serving(path: str, device_name: str, dtype: str, threads: int,
     if why_not:
         how = f"transformers' forward ({why_not})"
     elif model.packed:
-        how = f"the lean forward and prepacked weights, 16-bit copies: {model.half_weights}"
+        how = (f"the lean forward; 16-bit weight copies: {model.half_weights}; "
+               "the other weights prepacked")
     elif forward == "lean":
         how = "the lean forward (--forward lean: PyTorch's matmuls)"
     else:

@@ -120,10 +120,11 @@ PlainThreads = Annotated[int, typer.Option(
 Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                       help="auto: Llama-architecture models run a lean forward "
                                            "(less Python per call; on a CPU with weights "
-                                           "prepacked for oneDNN, and, for passes of up to 32 "
-                                           "tokens, 16-bit copies of the weights whose values "
-                                           "are exactly 16-bit numbers, widened and summed in "
-                                           "float32 by a kernel compiled on first use: logits "
-                                           "within ~1e-5 of transformers'); packed: no 16-bit "
-                                           "copies; lean: no prepacking either; hf: "
-                                           "transformers' own forward.")]
+                                           "prepacked for oneDNN, except that weights whose "
+                                           "values are exactly 16-bit numbers get 16-bit "
+                                           "copies instead, which passes of up to 32 tokens "
+                                           "read, widened and summed in float32 by a kernel "
+                                           "compiled on first use: logits within ~1e-5 of "
+                                           "transformers'); packed: no 16-bit copies; lean: "
+                                           "no prepacking either; hf: transformers' own "
+                                           "forward.")]

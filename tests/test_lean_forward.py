@@ -229,14 +229,24 @@ def test_auto_keeps_16_bit_copies_of_exactly_16_bit_weights_only(tiny_pair):
     """--forward auto gives every weight of the demo target (a float16 checkpoint) a float16
     copy, --forward packed none; the tiny pair's random float32 weights are not 16-bit
     numbers, so they get none and run as before."""
+    def linears(lean):
+        return [lean._lm_head] + [getattr(layer, name) for layer in lean._layers
+                                  for name in ("qkv", "o", "gate_up", "down")]
+
     demo = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
-    assert lean_forward(demo, "auto")[0].half_weights == "25 of 25 weights as float16"
+    lean = lean_forward(demo, "auto")[0]
+    assert lean.half_weights == "25 of 25 weights as float16"
+    # a 16-bit copy replaces the packed one (prompts' calls run PyTorch's linear)
+    assert all(lin.half is not None and lin.packed is None for lin in linears(lean))
     demo = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
-    assert lean_forward(demo, "packed")[0].half_weights == "none (not asked for)"
+    lean = lean_forward(demo, "packed")[0]
+    assert lean.half_weights == "none (not asked for)"
+    assert all(lin.half is None and lin.packed is not None for lin in linears(lean))
     tiny = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float32).eval()
     lean = lean_forward(tiny, "auto")[0]
     total = 4 * lean.config.num_hidden_layers + 1
     assert lean.half_weights == f"none of {total} weights is exactly 16-bit"
+    assert all(lin.half is None and lin.packed is not None for lin in linears(lean))
 
 
 def test_slab_cache_writes_in_place_and_rolls_back_by_length():
