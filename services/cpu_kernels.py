@@ -81,12 +81,13 @@ def _loaded() -> bool:
     return True
 
 
-_ready: set[str] = set()  # {"ready"} once this process loaded the library and its CPU runs it
+_ready = False  # this process loaded the library and its CPU runs it (``argmax`` reads it)
 
 
 def load() -> str:
     """Compiles the kernel (once per source and PyTorch: the file is kept in ``cache_dir``)
     and loads it: "" when it is ready, else why it cannot run here."""
+    global _ready
     if not _loaded():  # (a second library of the same operators would abort the process)
         try:
             path = SOURCE.parent / _library_name()  # prebuilt (``prebuild``)
@@ -99,7 +100,7 @@ def load() -> str:
             return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if not torch.ops.specmesh_cpu.isa():
         return _NO_ISA
-    _ready.add("ready")
+    _ready = True
     return ""
 
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from services import cpu_kernels, half_linear, ragged_attention
 from services.config import FORWARD_MODES
 from services.kv_slab import POOL_SEGMENT, KVPool, SlabCache, free_memory, pool_slots
-from services.linear_layers import Linear, packing_unavailable
+from services.linear_layers import Linear, half_copies, packing_unavailable
 
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
@@ -111,15 +111,13 @@ class LeanLlama(torch.nn.Module):
         self._head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._inter = c.intermediate_size
         self._eps = c.rms_norm_eps
-        self.packed = pack and not packing_unavailable(model.lm_head.weight)
-        why_not = (packing_unavailable(model.lm_head.weight) or cpu_kernels.kernel()) if half \
-            else "not asked for"
-        made: list[torch.dtype] = []
+        unpackable = packing_unavailable(model.lm_head.weight)
+        self.packed = pack and not unpackable
+        why_not = (unpackable or cpu_kernels.kernel()) if half else "not asked for"
 
         def linear(weight: torch.Tensor) -> Linear:
-            dtype = None if why_not else half_linear.exact_dtype(weight)
-            made.extend([dtype] if dtype else [])
-            return Linear(weight, self.packed, dtype)
+            return Linear(weight, self.packed,
+                          None if why_not else half_linear.exact_dtype(weight))
 
         self._layers = []
         for layer in model.model.layers:
@@ -131,11 +129,9 @@ class LeanLlama(torch.nn.Module):
                 gate_up=linear(_fuse(mlp.gate_proj, mlp.up_proj)),
                 down=linear(mlp.down_proj.weight)))
         self._lm_head = linear(model.lm_head.weight)
-        total = 4 * len(self._layers) + 1
-        self.half_weights = (f"none ({why_not})" if why_not else
-                             f"{len(made)} of {total} weights as "
-                             f"{'/'.join(sorted({str(d).removeprefix('torch.') for d in made}))}"
-                             if made else f"none of {total} weights is exactly 16-bit")
+        linears = [self._lm_head] + [lin for layer in self._layers for lin in
+                                     (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.half_weights = half_copies(linears, why_not)
         weight = model.lm_head.weight
         # caches are slots of one pool while there are slots: a pass attends over many in
         # one call per layer (on a GPU, one kernel instead of one per session and layer)

@@ -13,9 +13,9 @@ Weights whose values are exactly 16-bit numbers (a float16 or bfloat16 checkpoin
 float32) get a 16-bit copy instead, which a call over at most ``half_linear.ROWS_MAX`` rows
 reads: half the memory traffic for the same float32 products and sums
 (services/half_linear.py). Longer calls (prompts) run PyTorch's ``linear`` on the float32
-weight, as fast there as the prepacked one (demo target, a 48- or 256-token prompt pass on one
-or two threads: within 5% either way, docs/performance.md), so the copy takes half the
-weights' memory where the packed one took all of it.
+weight, as fast there as the prepacked one or faster (demo target, 48- and 256-token prompt
+passes on one and two threads, docs/performance.md), so the copy takes half the weights'
+memory where the packed one took all of it.
 """
 
 from __future__ import annotations
@@ -66,3 +66,16 @@ class Linear:
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def half_copies(linears: list[Linear], why_not: str) -> str:
+    """What the replica says of its 16-bit copies: "25 of 25 weights as float16", or why
+    there are none."""
+    if why_not:
+        return f"none ({why_not})"
+    dtypes = sorted({str(lin.half.dtype).removeprefix("torch.") for lin in linears
+                     if lin.half is not None})
+    copies = sum(lin.half is not None for lin in linears)
+    if not copies:
+        return f"none of {len(linears)} weights is exactly 16-bit"
+    return f"{copies} of {len(linears)} weights as {'/'.join(dtypes)}"

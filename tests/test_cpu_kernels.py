@@ -49,9 +49,20 @@ def test_argmax_is_torch_argmax_on_ties_nans_and_infinities(isa):
         assert torch.equal(torch.ops.specmesh_cpu.argmax(y, isa), y.argmax(dim=-1))
 
 
+def _calls(op: str, fn) -> int:
+    """How many times ``fn()`` ran the operator ``op`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == op)
+
+
 def test_argmax_helper_falls_back_to_torch_for_what_the_kernel_does_not_take():
     x = _rows_with_ties_nans_and_infinities()
     assert torch.equal(cpu_kernels.argmax(x), x.argmax(dim=-1))
+    assert _calls("specmesh_cpu::argmax", lambda: cpu_kernels.argmax(x)) == 1  # the kernel's
+    assert _calls("specmesh_cpu::argmax", lambda: cpu_kernels.argmax(x.double())) == 0
     assert torch.equal(cpu_kernels.argmax(x[:3].double()), x[:3].argmax(dim=-1))
     assert torch.equal(cpu_kernels.argmax(x[0]), x[0].argmax(dim=-1))  # one row, 1-D
     assert torch.equal(cpu_kernels.argmax(x[:, ::2]), x[:, ::2].argmax(dim=-1))  # strided

@@ -106,3 +106,28 @@ def test_bad_arguments_are_refused_with_what_to_fix(call, message):
     blocks = half_linear.blocks(_weight(40, 6, torch.float16, seed=7), torch.float16)
     with pytest.raises(RuntimeError, match=message):
         call(blocks)
+
+
+def test_a_lean_pass_reads_the_16_bit_copies_for_up_to_32_tokens_only():
+    """The demo target (a float16 checkpoint) with its copies: each of a decode pass's 25
+    linear calls runs the kernel; a 48-token prompt's 24 projections run PyTorch's linear on
+    the float32 weights (the copies would be no faster there, and no packed copy is kept),
+    its LM head the kernel (over the one position whose logits are kept)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    from services.batching import Row
+    from services.lean_llama import LeanLlama
+
+    model = AutoModelForCausalLM.from_pretrained("models/demo-target", dtype=torch.float32)
+    lean = LeanLlama(model.eval(), pack=True, half=True)
+
+    def kernel_calls(tokens: list[int], kv, start: int) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            lean.forward_ragged([Row(tokens=tokens, kv=kv, start=start, keep=1)])
+        return sum(e.count for e in prof.key_averages() if e.key == "specmesh_cpu::linear")
+
+    kv = lean.new_cache()
+    assert kernel_calls(list(range(5, 53)), kv, 0) == 1  # 48 tokens: the LM head only
+    assert kernel_calls([7], kv, 48) == 6 * 4 + 1  # one token: every projection, the LM head
+    assert kernel_calls(list(range(5, 37)), kv, 49) == 25  # 32 tokens: still the copies
