@@ -109,6 +109,10 @@ def forward_rows(model, rows: Sequence[Row], device: torch.device,
 
     Appends each row's tokens to its own cache, as ``forward_one`` would.
     """
+    graphs = getattr(model, "graphs", None)  # decode and verify passes as CUDA graphs
+    logits = graphs.run(rows) if graphs is not None else None
+    if logits is not None:
+        return logits
     if len(rows) == 1:
         return [forward_one(model, rows[0], device)]
     ragged = getattr(model, "forward_ragged", None)

@@ -67,11 +67,14 @@ class KVPool:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slot_len: int,
                  segment: int = 16, max_slots: int = 256, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", scratch: bool = False) -> None:
         if slot_len < 1 or segment < 1 or max_slots < 1:
             raise ValueError("slot_len, segment and max_slots must be >= 1")
         self.num_layers, self.slot_len, self.segment = num_layers, slot_len, segment
-        self._shape = (segment, kv_heads, slot_len, head_dim)
+        # ``scratch``: each segment's buffers get one more row, ``segment``, never handed out,
+        # where a pass of fixed shape (services/cuda_graphs.py) writes its padding's keys
+        self.scratch = segment if scratch else None
+        self._shape = (segment + bool(scratch), kv_heads, slot_len, head_dim)
         self.dtype, self._device = dtype, torch.device(device)
         self.max_slots = max_slots  # a replica lowers it to fit its KV budget
         self.segments: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # [seg][layer]
@@ -83,6 +86,17 @@ class KVPool:
     @property
     def in_use(self) -> int:
         return self._made - len(self._free)
+
+    def bound(self, max_slots: int) -> None:
+        """Lowers ``max_slots`` (a replica's --max-sessions and --kv-budget-mb); a segment
+        larger than that shrinks to it while no slot is in use (the warm-up's is back)."""
+        with self._lock:
+            self.max_slots = min(self.max_slots, max_slots)
+            if self.segment > self.max_slots and self._made == len(self._free):
+                self.segment = self.max_slots
+                self.scratch = None if self.scratch is None else self.segment
+                self._shape = (self.segment + (self.scratch is not None), *self._shape[1:])
+                self.segments, self._free, self._clean, self._made = [], [], [], 0
 
     def acquire(self) -> int | None:
         """A free slot, or None when all ``max_slots`` are in use."""
@@ -99,6 +113,10 @@ class KVPool:
                         (torch.empty(self._shape, dtype=self.dtype, device=self._device),
                          torch.empty(self._shape, dtype=self.dtype, device=self._device))
                         for _ in range(self.num_layers)])
+                    if self.scratch is not None:  # numbers, though no kept output reads it
+                        for keys, values in self.segments[-1]:
+                            keys[self.scratch].zero_()
+                            values[self.scratch].zero_()
             self._made += 1
             self._clean.append(0)
             return self._made - 1

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from services import cpu_kernels, half_linear, ragged_attention
 from services.config import FORWARD_MODES
+from services.cuda_graphs import DecodeGraphs
 from services.kv_slab import POOL_SEGMENT, KVPool, SlabCache, free_memory, pool_slots
 from services.linear_layers import Linear, half_copies, packing_unavailable
 
@@ -96,9 +97,11 @@ class LeanLlama(torch.nn.Module):
     it, used as given) and ``logits_to_keep``. ``pack``: prepack the weights for oneDNN
     where ``packing_unavailable`` allows it; ``half``: also keep 16-bit copies of the weights
     that are exactly 16-bit numbers, for calls over few rows (services/half_linear.py;
-    ``half_weights`` says how many were made, or why none)."""
+    ``half_weights`` says how many were made, or why none); ``graphs``: decode and verify
+    passes of pooled rows replayed as CUDA graphs (``graphs``, services/cuda_graphs.py)."""
 
-    def __init__(self, model, pack: bool = False, half: bool = False) -> None:
+    def __init__(self, model, pack: bool = False, half: bool = False,
+                 graphs: bool = False) -> None:
         super().__init__()
         reason = unsupported_reason(model)
         if reason:
@@ -119,17 +122,17 @@ class LeanLlama(torch.nn.Module):
             return Linear(weight, self.packed,
                           None if why_not else half_linear.exact_dtype(weight))
 
-        self._layers = []
+        self.layers = []
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
-            self._layers.append(_Layer(
+            self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight,
                 qkv=linear(_fuse(a.q_proj, a.k_proj, a.v_proj)),
                 o=linear(a.o_proj.weight), ln2=layer.post_attention_layernorm.weight,
                 gate_up=linear(_fuse(mlp.gate_proj, mlp.up_proj)),
                 down=linear(mlp.down_proj.weight)))
         self._lm_head = linear(model.lm_head.weight)
-        linears = [self._lm_head] + [lin for layer in self._layers for lin in
+        linears = [self._lm_head] + [lin for layer in self.layers for lin in
                                      (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.half_weights = half_copies(linears, why_not)
         weight = model.lm_head.weight
@@ -139,9 +142,16 @@ class LeanLlama(torch.nn.Module):
         slot_bytes = (2 * c.num_hidden_layers * self._kv_heads * slot_len * self._head_dim
                       * weight.element_size())
         slots = pool_slots(weight.device, slot_bytes, free_memory(weight.device))
+        # (with graphs, one segment: a graph's rows must share one, and on a GPU a
+        # segment's memory is taken at once anyway)
         self.pool = KVPool(c.num_hidden_layers, self._kv_heads, self._head_dim, slot_len,
-                           segment=min(POOL_SEGMENT, slots), max_slots=slots,
-                           dtype=weight.dtype, device=weight.device) if slots else None
+                           segment=slots if graphs else min(POOL_SEGMENT, slots),
+                           max_slots=slots,
+                           dtype=weight.dtype, device=weight.device,
+                           scratch=graphs) if slots else None
+        # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
+        self.graphs = None if not (graphs and self.pool) else DecodeGraphs(
+            self, capture=weight.device.type == "cuda", row_max=POOL_ROW_MAX)
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -227,6 +237,29 @@ class LeanLlama(torch.nn.Module):
         qk = self._rope(qkv[..., :(H + KV) * D].view(*lead, H + KV, D), cos, signed_sin)
         return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + KV) * D:].view(*lead, KV, D)
 
+    def rope_tables(self, x: torch.Tensor, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (``_rope``) for positions [B, m] of x [B, m, h]: [B, m, 1, D]
+        each, broadcast over the heads."""
+        cos, sin = self.hf.model.rotary_emb(x, positions)  # [B, m, D]
+        return cos[:, :, None], self._signed(sin)[:, :, None]
+
+    def qkv(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, signed_sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's queries [..., H, D] and keys and values [..., KV, D] of x [..., h]."""
+        return self._split_heads(w.qkv(self._rms(x, w.ln1)), cos, signed_sin)
+
+    def finish_layer(self, x: torch.Tensor, attn: torch.Tensor, w: _Layer) -> torch.Tensor:
+        """The layer's output projection of its attention [..., H D] added to x [..., h], and
+        its MLP: the next layer's input [..., h]."""
+        x = x + w.o(attn)
+        gate, up = w.gate_up(self._rms(x, w.ln2)).split([self._inter, self._inter], dim=-1)
+        return x + w.down(F.silu(gate) * up)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head: logits [..., V] of x [..., h]."""
+        return self._lm_head(self._rms(x, self.hf.model.norm.weight))
+
     @staticmethod
     def _mask(m: int, past: int, attention_mask, device) -> torch.Tensor | None:
         """[B, 1, m, past+m] bool (True = may attend), or None for one query and no padding;
@@ -254,22 +287,16 @@ class LeanLlama(torch.nn.Module):
             position_ids = torch.arange(past, past + m, device=input_ids.device)[None].expand(B, m)
         H, D = self._heads, self._head_dim
         x = self.hf.model.embed_tokens(input_ids)  # [B, m, h]
-        cos, sin = self.hf.model.rotary_emb(x, position_ids)  # [B, m, D]
-        cos, sin = cos[:, :, None], self._signed(sin)[:, :, None]  # [B, m, 1, D]
+        cos, sin = self.rope_tables(x, position_ids)  # [B, m, 1, D]
         mask = self._group_mask(self._mask(m, past, attention_mask, x.device))
-        for i, w in enumerate(self._layers):
-            h = self._rms(x, w.ln1)
-            q, k, v = (t.transpose(1, 2) for t in self._split_heads(w.qkv(h), cos, sin))
+        for i, w in enumerate(self.layers):
+            q, k, v = (t.transpose(1, 2) for t in self.qkv(x, w, cos, sin))
             # q [B, H, m, D], k and v [B, KV, m, D]
             k, v = past_key_values.update(k, v, i)  # [B, KV, past+m, D]
             attn = self._attend(q, k, v, mask)  # [B, H, m, D]
-            x = x + w.o(attn.transpose(1, 2).reshape(B, m, H * D))
-            h = self._rms(x, w.ln2)
-            gate, up = w.gate_up(h).split([self._inter, self._inter], dim=-1)
-            x = x + w.down(F.silu(gate) * up)
+            x = self.finish_layer(x, attn.transpose(1, 2).reshape(B, m, H * D), w)
         keep = m if not logits_to_keep else min(logits_to_keep, m)
-        x = self._rms(x[:, -keep:], self.hf.model.norm.weight)
-        return LeanOutput(logits=self._lm_head(x))  # [B, keep, V]
+        return LeanOutput(logits=self.head(x[:, -keep:]))  # [B, keep, V]
 
     @torch.inference_mode()
     def forward_ragged(self, rows, shared: list[tuple[list[int], int]] = ()
@@ -307,8 +334,7 @@ class LeanLlama(torch.nn.Module):
         ids, positions = staged[:T][None], staged[T:2 * T][None]  # [1, T] each
         wanted = staged[2 * T:]  # [K]
         x = self.hf.model.embed_tokens(ids)  # [1, T, h]
-        cos, sin = self.hf.model.rotary_emb(x, positions)  # [1, T, D]
-        cos, sin = cos[0][:, None], self._signed(sin)[0][:, None]  # [T, 1, D], over heads
+        cos, sin = (t[0] for t in self.rope_tables(x, positions))  # [T, 1, D], over heads
         groups = [(idx, p) for idx, p in shared if dev.type == "cpu"]
         grouped = {b for idx, _ in groups for b in idx}
         pooled = set(self._pooled(rows))  # rows attended in their pool slots
@@ -330,9 +356,8 @@ class LeanLlama(torch.nn.Module):
         # one segment's call attends every token of the pass, in order: its output is the
         # layer's attention as it comes (a decode pass of one stream, rows in slot order)
         whole = len(plans) == 1 and plans[0].span == slice(0, T)
-        for i, w in enumerate(self._layers):
-            h = self._rms(x, w.ln1)
-            q, k, v = (t.transpose(0, 1) for t in self._split_heads(w.qkv(h)[0], cos, sin))
+        for i, w in enumerate(self.layers):
+            q, k, v = (t.transpose(0, 1) for t in self.qkv(x[0], w, cos, sin))
             # q [H, T, D], k and v [KV, T, D]
             if whole:
                 attn = ragged_attention.attend(plans[0], self.pool.segments[plans[0].segment][i],
@@ -351,20 +376,17 @@ class LeanLlama(torch.nn.Module):
                     attn[:, s:e] = self._attend(q[None, :, s:e], keys, values, masks[b])[0]
             for c in cascades:  # one call over each shared prefix, its rows' rests apart
                 attn[:, c.tok] = ragged_attention.cascade(c, i, rows, starts, self.pool, q, k, v)
-            x = x + w.o(attn.transpose(0, 1).reshape(1, T, H * D))
-            h = self._rms(x, w.ln2)
-            gate, up = w.gate_up(h).split([self._inter, self._inter], dim=-1)
-            x = x + w.down(F.silu(gate) * up)
+            x = self.finish_layer(x, attn.transpose(0, 1).reshape(1, T, H * D), w)
         ragged_attention.advance(rows, plans + [p for c in cascades for p in c.pooled])
-        x = self._rms(x[:, wanted], self.hf.model.norm.weight)  # [1, K, h]
-        logits = self._lm_head(x)[0].float()  # [K, V]
+        logits = self.head(x[:, wanted])[0].float()  # [K, V]
         return list(logits.split([r.keep for r in rows]))
 
 
 def lean_forward(model, mode: str):
     """The model a replica runs: ``mode`` "auto" wraps supported models in LeanLlama with
-    prepacked weights where they can be, "lean" without them, "hf" keeps transformers'
-    forward. Returns (model, the reason it was not wrapped or "")."""
+    prepacked weights where they can be (on a CUDA device, with its decode and verify
+    passes as CUDA graphs), "lean" without either, "hf" keeps transformers' forward.
+    Returns (model, the reason it was not wrapped or "")."""
     if mode not in FORWARD_MODES:
         raise ValueError(f"forward must be one of {', '.join(FORWARD_MODES)}, got {mode!r}")
     if mode == "hf":
@@ -372,4 +394,12 @@ def lean_forward(model, mode: str):
     reason = unsupported_reason(model)
     if reason:
         return model, reason
-    return LeanLlama(model, pack=mode in ("auto", "packed"), half=mode == "auto"), ""
+    on_gpu = model.lm_head.weight.device.type == "cuda"
+    return LeanLlama(model, pack=mode in ("auto", "packed"), half=mode == "auto",
+                     graphs=mode == "auto" and on_gpu and graphs_supported(model)), ""
+
+
+def graphs_supported(model) -> bool:
+    """Whether a pass can be captured: a rotary embedding that never recomputes its
+    frequencies from the positions (which would read them back to the host)."""
+    return getattr(model.model.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope")

@@ -64,8 +64,8 @@ def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]
                 f"full-context session ({meta.max_context} tokens of {per_token} bytes): raise it")
     pool = getattr(model, "pool", None)  # the lean forward's KV slots (services/kv_slab.py)
     if pool is not None:  # a slot's pages stay with the process once written: count them
-        pool.max_slots = min(pool.max_slots, config.max_sessions,
-                             max_tokens // pool.slot_len if max_tokens else pool.max_slots)
+        pool.bound(min(config.max_sessions,
+                       max_tokens // pool.slot_len if max_tokens else pool.max_slots))
     per_block = kv_bytes_per_token(model) * config.prefix_block
     prefix = PrefixCache(config.prefix_block, config.prefix_cache_mb * 1024 * 1024 // per_block)
     return runner, SessionCaches(config.max_sessions, runner.new_kv, max_tokens, prefix)

@@ -107,6 +107,8 @@ def load_for_serving(path: str, device_name: str, dtype: str, threads: int,
         how = "the lean forward (--forward lean: PyTorch's matmuls)"
     else:
         how = f"the lean forward, weights not prepacked ({packing_unavailable(model.hf.lm_head.weight)})"
+    if not why_not and model.graphs is not None:
+        how += "; decode and verify passes as CUDA graphs"
     log.info("%s runs with %s", path, how)
     with torch.inference_mode():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))

@@ -125,6 +125,8 @@ Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                            "copies instead, which passes of up to 32 tokens "
                                            "read, widened and summed in float32 by a kernel "
                                            "compiled on first use: logits within ~1e-5 of "
-                                           "transformers'); packed: no 16-bit copies; lean: "
-                                           "no prepacking either; hf: transformers' own "
+                                           "transformers'; on a CUDA device, decode and "
+                                           "verify passes replayed as CUDA graphs); packed: "
+                                           "no 16-bit copies; lean: no prepacking and no "
+                                           "CUDA graphs either; hf: transformers' own "
                                            "forward.")]

@@ -39,6 +39,21 @@ def test_a_pool_takes_half_an_accelerators_free_memory_at_most_and_any_cpus_addr
     assert pool_slots(gpu, mb, None) == 0  # free memory unknown: no pool
 
 
+def test_a_bound_lowers_the_slots_and_shrinks_a_segment_no_session_uses():
+    """A replica bounds its pool after the model's warm-up pass: a segment larger than the
+    bound shrinks to it (a GPU replica with CUDA graphs holds one segment of all its slots,
+    whose memory is taken at once), keeping its scratch row last; once a slot is in use
+    the segment stays as it is and only the bound moves."""
+    pool = KVPool(2, 1, 4, slot_len=8, segment=256, max_slots=256, scratch=True)
+    warm = pool.acquire()
+    pool.release(warm)  # the warm-up's cache is gone
+    pool.bound(20)
+    assert (pool.max_slots, pool.segment, pool.scratch, pool.segments) == (20, 20, 20, [])
+    assert pool.acquire() == 0 and pool.segments[0][0][0].shape[0] == 21
+    pool.bound(10)
+    assert (pool.max_slots, pool.segment) == (10, 20)  # a slot is in use: only the bound
+
+
 def test_slots_go_lowest_first_come_back_when_the_cache_is_garbage_and_are_bounded():
     pool = _pool()
     caches = [SlabCache(2, pool=pool) for _ in range(6)]

@@ -52,7 +52,7 @@ def models(request, tiny_pair):
     hf, lean = _pair(path, pack != "lean", half=pack == "half")
     assert lean.packed == (pack != "lean")  # packing is available on these CPU machines
     if pack == "half":  # every weight has its copy: the kernel builds and runs on these CPUs
-        assert lean.half_weights.startswith(f"{4 * len(lean._layers) + 1} of ")
+        assert lean.half_weights.startswith(f"{4 * len(lean.layers) + 1} of ")
     return hf, lean
 
 
@@ -192,7 +192,7 @@ def test_wrapping_keeps_weights_state_dict_and_fingerprint(tiny_pair):
     lean = LeanLlama(twin)
     assert fingerprint(twin) == before == fingerprint(plain)
     q_proj = twin.model.layers[0].self_attn.q_proj.weight
-    assert q_proj.data_ptr() == lean._layers[0].qkv.weight.data_ptr()  # a view, not a copy
+    assert q_proj.data_ptr() == lean.layers[0].qkv.weight.data_ptr()  # a view, not a copy
     torch.testing.assert_close(q_proj, plain.model.layers[0].self_attn.q_proj.weight)
     assert sum(p.numel() for p in lean.parameters()) == sum(p.numel() for p in plain.parameters())
 
@@ -230,7 +230,7 @@ def test_auto_keeps_16_bit_copies_of_exactly_16_bit_weights_only(tiny_pair):
     copy, --forward packed none; the tiny pair's random float32 weights are not 16-bit
     numbers, so they get none and run as before."""
     def linears(lean):
-        return [lean._lm_head] + [getattr(layer, name) for layer in lean._layers
+        return [lean._lm_head] + [getattr(layer, name) for layer in lean.layers
                                   for name in ("qkv", "o", "gate_up", "down")]
 
     demo = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
