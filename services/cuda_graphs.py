@@ -193,7 +193,7 @@ class DecodeGraphs:
         ids, pos, wslot, wpos, last, wanted = g.staged[:6 * T].view(6, T)
         slot = g.staged[6 * T:]  # [B]
         x = lean.hf.model.embed_tokens(ids[None])  # [1, T, h]
-        cos, sin = (t[0] for t in lean.rope_tables(x, pos[None]))  # [T, 1, D]
+        cos, sin = (t[0] for t in lean.rope_tables(x, pos[None], L))  # [T, 1, D]
         buffers = lean.pool.segments[g.segment]
         hidden = torch.arange(L, device=self.device)[None] > last[:, None]  # [T, L]
         mask = torch.zeros(T, L, dtype=buffers[0][0].dtype, device=self.device

@@ -37,7 +37,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from services import cpu_kernels, half_linear, ragged_attention
+from services import cpu_kernels, half_linear, ragged_attention, rotary
 from services.config import FORWARD_MODES
 from services.cuda_graphs import DecodeGraphs
 from services.kv_slab import POOL_SEGMENT, KVPool, SlabCache, free_memory, pool_slots
@@ -149,6 +149,7 @@ class LeanLlama(torch.nn.Module):
                            max_slots=slots,
                            dtype=weight.dtype, device=weight.device,
                            scratch=graphs) if slots else None
+        self._rope_table = rotary.RopeTable(model, weight)
         # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
         self.graphs = None if not (graphs and self.pool) else DecodeGraphs(
             self, capture=weight.device.type == "cuda", row_max=POOL_ROW_MAX)
@@ -213,36 +214,22 @@ class LeanLlama(torch.nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._eps)
         return weight * x.to(dtype)
 
-    @staticmethod
-    def _signed(sin: torch.Tensor) -> torch.Tensor:
-        """sin with its first half negated, for ``_rope``."""
-        half = sin.shape[-1] // 2
-        return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of x [..., D], the queries' and keys' heads together: HF's
-        x cos + rotate_half(x) sin, where rotate_half(x) sin = cat(-x2, x1) cat(s1, s2) =
-        roll(x, D/2) cat(-s1, s2), each product the same floats. Four operators a layer for
-        q and k instead of fourteen (two negations, four slices and two cats among them)."""
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
     def _split_heads(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer's fused projection qkv [..., (H + 2 KV) D] split into heads, the queries'
-        and keys' rotated (``_rope``; cos, signed_sin broadcast over the heads' dimension):
+        and keys' rotated (``rotary.rope``; cos, signed_sin broadcast over the heads' dimension):
         q [..., H, D], k and v [..., KV, D]."""
         H, KV, D = self._heads, self._kv_heads, self._head_dim
         lead = qkv.shape[:-1]
-        qk = self._rope(qkv[..., :(H + KV) * D].view(*lead, H + KV, D), cos, signed_sin)
+        qk = rotary.rope(qkv[..., :(H + KV) * D].view(*lead, H + KV, D), cos, signed_sin)
         return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + KV) * D:].view(*lead, KV, D)
 
-    def rope_tables(self, x: torch.Tensor, positions: torch.Tensor
+    def rope_tables(self, x: torch.Tensor, positions: torch.Tensor, top: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (``_rope``) for positions [B, m] of x [B, m, h]: [B, m, 1, D]
-        each, broadcast over the heads."""
-        cos, sin = self.hf.model.rotary_emb(x, positions)  # [B, m, D]
-        return cos[:, :, None], self._signed(sin)[:, :, None]
+        """cos and signed sin (services/rotary.py) for positions [B, m] of x [B, m, h]:
+        [B, m, 1, D] each; ``top``: the highest position + 1, if known (read from the
+        table)."""
+        return self._rope_table(x, positions, top)
 
     def qkv(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, signed_sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -283,11 +270,13 @@ class LeanLlama(torch.nn.Module):
         if past_key_values is None:
             past_key_values = self.new_cache()
         past = past_key_values.get_seq_length()
+        top = None  # (positions of the caller's own: the rotary module computes theirs)
         if position_ids is None:
             position_ids = torch.arange(past, past + m, device=input_ids.device)[None].expand(B, m)
+            top = past + m
         H, D = self._heads, self._head_dim
         x = self.hf.model.embed_tokens(input_ids)  # [B, m, h]
-        cos, sin = self.rope_tables(x, position_ids)  # [B, m, 1, D]
+        cos, sin = self.rope_tables(x, position_ids, top)  # [B, m, 1, D]
         mask = self._group_mask(self._mask(m, past, attention_mask, x.device))
         for i, w in enumerate(self.layers):
             q, k, v = (t.transpose(1, 2) for t in self.qkv(x, w, cos, sin))
@@ -334,7 +323,8 @@ class LeanLlama(torch.nn.Module):
         ids, positions = staged[:T][None], staged[T:2 * T][None]  # [1, T] each
         wanted = staged[2 * T:]  # [K]
         x = self.hf.model.embed_tokens(ids)  # [1, T, h]
-        cos, sin = (t[0] for t in self.rope_tables(x, positions))  # [T, 1, D], over heads
+        top = max(r.start + m for r, m in zip(rows, sizes, strict=True))
+        cos, sin = (t[0] for t in self.rope_tables(x, positions, top))  # [T, 1, D], over heads
         groups = [(idx, p) for idx, p in shared if dev.type == "cpu"]
         grouped = {b for idx, _ in groups for b in idx}
         pooled = set(self._pooled(rows))  # rows attended in their pool slots
@@ -396,10 +386,4 @@ def lean_forward(model, mode: str):
         return model, reason
     on_gpu = model.lm_head.weight.device.type == "cuda"
     return LeanLlama(model, pack=mode in ("auto", "packed"), half=mode == "auto",
-                     graphs=mode == "auto" and on_gpu and graphs_supported(model)), ""
-
-
-def graphs_supported(model) -> bool:
-    """Whether a pass can be captured: a rotary embedding that never recomputes its
-    frequencies from the positions (which would read them back to the host)."""
-    return getattr(model.model.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope")
+                     graphs=mode == "auto" and on_gpu and rotary.static_rope(model)), ""

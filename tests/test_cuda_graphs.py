@@ -18,7 +18,8 @@ from services import cuda_graphs
 from services.batching import Row, forward_one, forward_rows
 from services.cuda_graphs import KEY_BUCKET, DecodeGraphs
 from services.kv_slab import KVPool, SlabCache
-from services.lean_llama import POOL_ROW_MAX, LeanLlama, graphs_supported, lean_forward
+from services.lean_llama import POOL_ROW_MAX, LeanLlama, lean_forward
+from services.rotary import static_rope
 
 TOL = dict(atol=2e-5, rtol=1e-5)
 
@@ -227,11 +228,11 @@ def test_graphs_are_made_for_cuda_devices_and_static_rotary_embeddings_only(tiny
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
     lean, why_not = lean_forward(model, "auto")
     assert not why_not and lean.graphs is None and lean.pool.scratch is None
-    assert graphs_supported(model)
+    assert static_rope(model)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2,
                          rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    assert not graphs_supported(LlamaForCausalLM(config))
+    assert not static_rope(LlamaForCausalLM(config))
     with pytest.raises(ValueError, match="scratch row"):
         DecodeGraphs(lean, capture=False, row_max=POOL_ROW_MAX)
 

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from drafter_svc.tree import tree_visibility
+from services import rotary
 from services.batching import Row, forward_one, forward_rows
 from services.kv_slab import SlabCache
 from services.lean_llama import (
@@ -63,7 +64,7 @@ def _ids(model, n: int, seed: int) -> list[int]:
 
 def test_rotary_embedding_gives_transformers_floats_exactly():
     """The lean forward rotates the queries' and keys' heads in one go with the sine's first
-    half negated (LeanLlama._rope); each element is the same products as transformers'
+    half negated (services/rotary.py ``rope``); each element is the same products as transformers'
     apply_rotary_pos_emb, so the floats are equal, not merely close: a greedy argmax could
     otherwise flip between the lean and HF forwards."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -74,7 +75,7 @@ def test_rotary_embedding_gives_transformers_floats_exactly():
     cos, sin = torch.randn(B, m, D, generator=g), torch.randn(B, m, D, generator=g)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
     qk = torch.cat([q, k], dim=1).transpose(1, 2)  # [B, m, H + KV, D], as the pass holds them
-    got = LeanLlama._rope(qk, cos[:, :, None], LeanLlama._signed(sin)[:, :, None])
+    got = rotary.rope(qk, cos[:, :, None], rotary.signed(sin)[:, :, None])
     assert torch.equal(got[:, :, :H].transpose(1, 2), want_q)
     assert torch.equal(got[:, :, H:].transpose(1, 2), want_k)
 
