@@ -97,6 +97,8 @@ class KVPool:
                 self.scratch = None if self.scratch is None else self.segment
                 self._shape = (self.segment + (self.scratch is not None), *self._shape[1:])
                 self.segments, self._free, self._clean, self._made = [], [], [], 0
+                if self._device.type == "cuda":  # the warm-up's segment back to the device
+                    torch.cuda.empty_cache()
 
     def acquire(self) -> int | None:
         """A free slot, or None when all ``max_slots`` are in use."""
