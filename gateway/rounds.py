@@ -222,10 +222,15 @@ class RoundRunner:
             tail = _held(draft, old)
             if params.greedy and len(draft.token_ids) > 1:
                 spec = SpecCache(base=old, branches={(draft.token_ids[0],): _part(draft, 1)})
+        # Never warm: its cycle is a drafter's catch-up on the whole session beside a
+        # one-token verify. Counted as a round without drafts (none verified) it weighed 9-12
+        # ms a token against 3.4 for plain rounds of 8 on a 2-core CPU, and with the rare
+        # plain rounds weighed heavily, made not drafting look dearer than drafting for lone
+        # requests, which then drafted at 0.78x of target-only (docs/performance.md).
         return RoundResult(
             drafted=(), drafter_tail=tail, num_accepted=0, extra_token=result.extra_token,
             draft_ms=0.0, verify_ms=(verified - start) * 1000, draft_compute_ms=0.0,
-            verify_compute_ms=result.compute_ms, warm=result.cache_hit, prefetch=spec,
+            verify_compute_ms=result.compute_ms, warm=False, prefetch=spec,
             waited_ms=(time.perf_counter() - start) * 1000, logprobs=result.logprobs)
 
     def _fanout(self, replica) -> int:

@@ -71,6 +71,38 @@ def test_a_prepared_branch_is_used_exactly_when_it_was_committed():
     assert stub.calls["Speculate"] == sum(seen.values()) - 1  # one per round with drafts
 
 
+def test_a_lead_round_is_never_timed_as_a_round_without_drafts():
+    """A request whose first rounds ran without drafts and then drafts leads with the
+    verifier alone while the drafter catches up on the whole session: its verifier is warm,
+    but the round is no plain round of one token. Its result is not warm, so the gateway's
+    cost model times neither it nor its cycle (gateway/draft_length.py): timed as a plain
+    round it made plain rounds look three times dearer and lone requests draft where
+    drafting lost."""
+    from gateway.rounds import RoundPlan
+    from gateway.session_rounds import SessionRounds
+    from services.session_store import SessionHandle
+
+    target, draft = tables(vocab=48, seed=3, noise=1.5)
+    harness = Harness(target, draft, pipeline=True)
+
+    async def go():
+        s = SessionRounds(SessionHandle(session_id="s1", version=1, tokens=list(PROMPT)))
+        results = []
+        for k in (0, 0, 3, 3):
+            r = await harness.runner.run(s, RoundPlan(GREEDY, k, "model", 7, acceptance=0.8,
+                                                      tokens=4), lambda: None)
+            s.advance(r, r.proposed, 0.0)
+            results.append(r)
+        return s, results
+
+    s, (first, plain, lead, drafted) = asyncio.run(go())
+    assert plain.warm and not plain.drafted and len(plain.proposed) == 4
+    assert lead.drafted == () and lead.prefetch is not None  # the lead round: drafter beside
+    assert harness.drafter.caches.fresh_prefills == 1 and not lead.warm
+    assert drafted.drafted  # the round after it drafts on the warm drafter
+    assert s.tokens[len(PROMPT):] == greedy_chain(target, PROMPT, len(s.tokens) - len(PROMPT))
+
+
 @pytest.mark.parametrize("seed", [2, 3, 4, 5])
 def test_a_new_session_leads_with_the_verifier_alone(seed):
     """The first round of a session no drafter holds verifies no drafts, so its token waits
