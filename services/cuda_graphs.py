@@ -13,9 +13,9 @@ reads its inputs from fixed buffers, refilled before each replay:
     shape   (segment, B, M, L): B rows, their count rounded up to a power of two; M new
             tokens a row, the most of any row; L keys a row, the most rounded up to
             KEY_BUCKET; every row's cache a slot of pool segment ``segment``
-    staged  [6 T + B] int64, T = B M, one copy to the device a pass: per padded token its id,
-            position, the slot and position its keys are written to, the last key it sees,
-            the token whose logits go to output row t; per row its slot
+    staged  [5 T + B] int64, T = B M, one copy to the device a pass: per padded token its id,
+            position (the last key it sees), the slot and position its keys are written
+            to, the token whose logits go to output row t; per row its slot
     x = embed(ids) ; per layer:
         q, k, v = qkv(x)                                     # [T, H, D], [T, KV, D]
         K[wslot, :, wpos] = k ; V[wslot, :, wpos] = v        # into the segment's buffers
@@ -60,7 +60,7 @@ class _Graph:
     B: int
     M: int
     L: int
-    staged: torch.Tensor  # [6 T + B] on the device: the pass's inputs (module docstring)
+    staged: torch.Tensor  # [5 T + B] on the device: the pass's inputs (module docstring)
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None  # [T, V]: the replay's logits
 
@@ -119,7 +119,7 @@ class DecodeGraphs:
             return None
         segment, B, M, L = shape
         pool, T = self.lean.pool, B * M
-        ids, pos, wslot, wpos, last = ([0] * T for _ in range(5))
+        ids, pos, wpos = [0] * T, [0] * T, [0] * T
         wslot = [pool.scratch] * T
         wanted, slots = [], [pool.scratch] * B
         for b, r in enumerate(rows):
@@ -128,13 +128,12 @@ class DecodeGraphs:
             slots[b] = slot % pool.segment
             for j in range(M):
                 t = b * M + j
-                pos[t] = start + min(j, m - 1)
-                last[t] = start + min(j, m - 1)
+                pos[t] = start + min(j, m - 1)  # (a padded query's: its row's last)
                 if j < m:
                     ids[t], wslot[t], wpos[t] = r.tokens[j], slots[b], start + j
             wanted += range(b * M + m - r.keep, b * M + m)
         K = len(wanted)
-        staged = torch.tensor(ids + pos + wslot + wpos + last + wanted + [0] * (T - K) + slots,
+        staged = torch.tensor(ids + pos + wslot + wpos + wanted + [0] * (T - K) + slots,
                               dtype=torch.long)
         try:
             logits = self._pass(shape, staged)[:K].float()
@@ -190,12 +189,13 @@ class DecodeGraphs:
         lean, B, M, L = self.lean, g.B, g.M, g.L
         T = B * M
         H, KV, D = lean._heads, lean._kv_heads, lean._head_dim
-        ids, pos, wslot, wpos, last, wanted = g.staged[:6 * T].view(6, T)
-        slot = g.staged[6 * T:]  # [B]
+        ids, pos, wslot, wpos, wanted = g.staged[:5 * T].view(5, T)
+        slot = g.staged[5 * T:]  # [B]
         x = lean.hf.model.embed_tokens(ids[None])  # [1, T, h]
         cos, sin = (t[0] for t in lean.rope_tables(x, pos[None], L))  # [T, 1, D]
         buffers = lean.pool.segments[g.segment]
-        hidden = torch.arange(L, device=self.device)[None] > last[:, None]  # [T, L]
+        hidden = torch.arange(L, device=self.device)[None] > pos[:, None]  # [T, L]: a query
+        # sees the keys up to its own position
         mask = torch.zeros(T, L, dtype=buffers[0][0].dtype, device=self.device
                            ).masked_fill_(hidden, float("-inf"))
         mask = mask.view(B, 1, M, L).repeat(1, 1, H // KV, 1)  # [B, 1, G M, L]
