@@ -95,7 +95,7 @@ class DecodeGraphs:
         pool = self.lean.pool
         if not self.enabled or not rows or pool is None:
             return None
-        segments, keys = set(), 0
+        segments, M, keys = set(), 0, 0
         for r in rows:
             m = len(r.tokens)
             if not (1 <= m <= self.row_max and 1 <= r.keep <= m) \
@@ -103,11 +103,11 @@ class DecodeGraphs:
                     or r.start + m > pool.slot_len:
                 return None
             segments.add(r.kv.slot // pool.segment)
-            keys = max(keys, r.start + m)
-        if len(segments) != 1 or len(rows) > pool.segment:
+            M, keys = max(M, m), max(keys, r.start + m)
+        if len(segments) != 1:  # (one segment holds at most its own count of rows)
             return None
         L = min(pool.slot_len, -(-keys // KEY_BUCKET) * KEY_BUCKET)
-        return segments.pop(), _bucket(len(rows)), max(len(r.tokens) for r in rows), L
+        return segments.pop(), _bucket(len(rows)), M, L
 
     @torch.inference_mode()
     def run(self, rows) -> list[torch.Tensor] | None:
@@ -155,13 +155,13 @@ class DecodeGraphs:
     def _pass(self, shape: tuple[int, int, int, int], staged: torch.Tensor) -> torch.Tensor:
         """The pass's logits [T, V] on the device: the graph of ``shape`` replayed on
         ``staged`` inputs (captured first if new), or on a CPU the same pass run eagerly."""
+        if not self.capture:
+            return self._body(_Graph(*shape, staged=staged))
         g = self._graphs.get(shape)
         if g is None:
             g = _Graph(*shape, staged=torch.empty(staged.shape, dtype=torch.long,
                                                   device=self.device))
         g.staged.copy_(staged, non_blocking=True)
-        if not self.capture:
-            return self._body(g)
         if g.graph is None:
             self._capture(g)
             self._graphs[shape] = g
@@ -192,7 +192,7 @@ class DecodeGraphs:
         ids, pos, wslot, wpos, wanted = g.staged[:5 * T].view(5, T)
         slot = g.staged[5 * T:]  # [B]
         x = lean.hf.model.embed_tokens(ids[None])  # [1, T, h]
-        cos, sin = (t[0] for t in lean.rope_tables(x, pos[None], L))  # [T, 1, D]
+        cos, sin = (t[0] for t in lean.rope(x, pos[None], L))  # [T, 1, D]
         buffers = lean.pool.segments[g.segment]
         hidden = torch.arange(L, device=self.device)[None] > pos[:, None]  # [T, L]: a query
         # sees the keys up to its own position

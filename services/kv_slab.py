@@ -73,8 +73,8 @@ class KVPool:
         self.num_layers, self.slot_len, self.segment = num_layers, slot_len, segment
         # ``scratch``: each segment's buffers get one more row, ``segment``, never handed out,
         # where a pass of fixed shape (services/cuda_graphs.py) writes its padding's keys
-        self.scratch = segment if scratch else None
-        self._shape = (segment + bool(scratch), kv_heads, slot_len, head_dim)
+        self._scratch = scratch
+        self._row = (kv_heads, slot_len, head_dim)
         self.dtype, self._device = dtype, torch.device(device)
         self.max_slots = max_slots  # a replica lowers it to fit its KV budget
         self.segments: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # [seg][layer]
@@ -87,6 +87,11 @@ class KVPool:
     def in_use(self) -> int:
         return self._made - len(self._free)
 
+    @property
+    def scratch(self) -> int | None:
+        """The scratch row of each segment's buffers, or None (made without)."""
+        return self.segment if self._scratch else None
+
     def bound(self, max_slots: int) -> None:
         """Lowers ``max_slots`` (a replica's --max-sessions and --kv-budget-mb); a segment
         larger than that shrinks to it while no slot is in use (the warm-up's is back)."""
@@ -94,8 +99,6 @@ class KVPool:
             self.max_slots = min(self.max_slots, max_slots)
             if self.segment > self.max_slots and self._made == len(self._free):
                 self.segment = self.max_slots
-                self.scratch = None if self.scratch is None else self.segment
-                self._shape = (self.segment + (self.scratch is not None), *self._shape[1:])
                 self.segments, self._free, self._clean, self._made = [], [], [], 0
                 if self._device.type == "cuda":  # the warm-up's segment back to the device
                     torch.cuda.empty_cache()
@@ -110,10 +113,11 @@ class KVPool:
             if self._made == len(self.segments) * self.segment:
                 # normal tensors even when a slot is first taken inside inference mode: a
                 # prefix-cache restore writes them outside it
+                shape = (self.segment + self._scratch, *self._row)
                 with torch.inference_mode(False):
                     self.segments.append([
-                        (torch.empty(self._shape, dtype=self.dtype, device=self._device),
-                         torch.empty(self._shape, dtype=self.dtype, device=self._device))
+                        (torch.empty(shape, dtype=self.dtype, device=self._device),
+                         torch.empty(shape, dtype=self.dtype, device=self._device))
                         for _ in range(self.num_layers)])
                     if self.scratch is not None:  # numbers, though no kept output reads it
                         for keys, values in self.segments[-1]:

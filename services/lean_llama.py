@@ -149,7 +149,7 @@ class LeanLlama(torch.nn.Module):
                            max_slots=slots,
                            dtype=weight.dtype, device=weight.device,
                            scratch=graphs) if slots else None
-        self._rope_table = rotary.RopeTable(model, weight)
+        self.rope = rotary.RopeTable(model, weight)  # cos, signed sin of the positions
         # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
         self.graphs = None if not (graphs and self.pool) else DecodeGraphs(
             self, capture=weight.device.type == "cuda", row_max=POOL_ROW_MAX)
@@ -224,13 +224,6 @@ class LeanLlama(torch.nn.Module):
         qk = rotary.rope(qkv[..., :(H + KV) * D].view(*lead, H + KV, D), cos, signed_sin)
         return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + KV) * D:].view(*lead, KV, D)
 
-    def rope_tables(self, x: torch.Tensor, positions: torch.Tensor, top: int | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (services/rotary.py) for positions [B, m] of x [B, m, h]:
-        [B, m, 1, D] each; ``top``: the highest position + 1, if known (read from the
-        table)."""
-        return self._rope_table(x, positions, top)
-
     def qkv(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, signed_sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer's queries [..., H, D] and keys and values [..., KV, D] of x [..., h]."""
@@ -276,7 +269,7 @@ class LeanLlama(torch.nn.Module):
             top = past + m
         H, D = self._heads, self._head_dim
         x = self.hf.model.embed_tokens(input_ids)  # [B, m, h]
-        cos, sin = self.rope_tables(x, position_ids, top)  # [B, m, 1, D]
+        cos, sin = self.rope(x, position_ids, top)  # [B, m, 1, D]
         mask = self._group_mask(self._mask(m, past, attention_mask, x.device))
         for i, w in enumerate(self.layers):
             q, k, v = (t.transpose(1, 2) for t in self.qkv(x, w, cos, sin))
@@ -324,7 +317,7 @@ class LeanLlama(torch.nn.Module):
         wanted = staged[2 * T:]  # [K]
         x = self.hf.model.embed_tokens(ids)  # [1, T, h]
         top = max(r.start + m for r, m in zip(rows, sizes, strict=True))
-        cos, sin = (t[0] for t in self.rope_tables(x, positions, top))  # [T, 1, D], over heads
+        cos, sin = (t[0] for t in self.rope(x, positions, top))  # [T, 1, D], over heads
         groups = [(idx, p) for idx, p in shared if dev.type == "cpu"]
         grouped = {b for idx, _ in groups for b in idx}
         pooled = set(self._pooled(rows))  # rows attended in their pool slots

@@ -99,7 +99,7 @@ def test_fixed_shape_passes_match_each_row_alone_through_hf(models, monkeypatch)
     lean.new_cache()  # (the pool's first segment exists before it is filled with NaN)
     _nan(pool)
     plan = [(252, 4, 4), (0, 3, 3), (131, 1, 1)]
-    hf_rows, lean_rows, caches = _sessions(hf, lean, plan, slots=[5, 2, 6])
+    hf_rows, lean_rows, _ = _sessions(hf, lean, plan, slots=[5, 2, 6])
     before = lean.graphs.replays
     assert lean.graphs.shape(lean_rows) == (0, 4, 4, KEY_BUCKET)
     got = forward_rows(lean, lean_rows, "cpu", lambda: None)
@@ -117,7 +117,6 @@ def test_fixed_shape_passes_match_each_row_alone_through_hf(models, monkeypatch)
     got = forward_rows(lean, lean_rows, "cpu", lambda: None)
     assert lean.graphs.replays == before + 2
     _same(hf, hf_rows, lean_rows, got)
-    del caches
 
 
 def test_a_row_far_longer_than_the_others_stays_in_the_fixed_shape_pass(models, monkeypatch):
@@ -146,7 +145,7 @@ def test_padding_writes_the_scratch_row_and_no_sessions_slot(models, monkeypatch
     hf, lean = models
     pool = _small_pool(lean, monkeypatch)
     plan = [(40, 4, 4), (20, 1, 1), (30, 2, 2)]  # row 2 rests: it is not in the pass
-    _, lean_rows, caches = _sessions(hf, lean, plan, slots=[0, 1, 3])
+    _, lean_rows, _ = _sessions(hf, lean, plan, slots=[0, 1, 3])
     snapshot = [(k.clone(), v.clone()) for k, v in pool.segments[0]]
     got = forward_rows(lean, lean_rows[:2], "cpu", lambda: None)
     assert len(got) == 2 and lean.graphs.replays >= 1
@@ -161,7 +160,6 @@ def test_padding_writes_the_scratch_row_and_no_sessions_slot(models, monkeypatch
                 mine = sorted(p for s, p in where if s == slot)
                 assert mine[:len(positions)] == list(positions)
                 assert all((tensor[slot, :, p] == 0).all() for p in mine[len(positions):])
-    del caches
 
 
 def test_passes_a_graph_cannot_hold_run_eagerly_and_give_the_same_logits(models, monkeypatch):
@@ -174,7 +172,7 @@ def test_passes_a_graph_cannot_hold_run_eagerly_and_give_the_same_logits(models,
     }
     for name, (plan, slots) in cases.items():
         _small_pool(lean, monkeypatch, segment=4)
-        hf_rows, lean_rows, caches = _sessions(hf, lean, plan, slots, seed=len(name))
+        hf_rows, lean_rows, _ = _sessions(hf, lean, plan, slots, seed=len(name))
         assert lean.graphs.shape(lean_rows) is None, name
         before = lean.graphs.replays
         got = forward_rows(lean, lean_rows, "cpu", lambda: None)
@@ -238,7 +236,7 @@ def test_graphs_are_made_for_cuda_devices_and_static_rotary_embeddings_only(tiny
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_graphs_replay_the_eager_pass_on_a_gpu():
+def test_captured_graphs_replay_the_eager_pass_on_a_gpu(monkeypatch):
     """On a CUDA device: the demo target with graphs (``auto``) and its twin without
     (``lean``) run the same sessions through decode and verify passes of several shapes;
     every pass's logits agree with the eager pass's and pick the same tokens, a shape seen
@@ -273,11 +271,7 @@ def test_captured_graphs_replay_the_eager_pass_on_a_gpu():
     assert graphed.graphs.replays == len(widths)
     shapes = {(6, w) if i % 2 == 0 else (3, w) for i, w in enumerate(widths)}
     assert graphed.graphs.captures == len(shapes)  # (6, 1) and (3, 1) came twice
-    monkey = cuda_graphs.MAX_GRAPHS
-    try:
-        cuda_graphs.MAX_GRAPHS = 2
-        rows = [Row(tokens=[5], kv=sessions[0][0], start=lengths[0], keep=1)]
-        forward_rows(graphed, rows, dev, lambda: None)
-        assert len(graphed.graphs._graphs) == 2
-    finally:
-        cuda_graphs.MAX_GRAPHS = monkey
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 2)
+    rows = [Row(tokens=[5], kv=sessions[0][0], start=lengths[0], keep=1)]
+    forward_rows(graphed, rows, dev, lambda: None)
+    assert len(graphed.graphs._graphs) == 2

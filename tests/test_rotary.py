@@ -60,8 +60,4 @@ def test_a_dynamic_rotary_embedding_gets_no_table():
                          rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     model = LlamaForCausalLM(config).eval()
     assert not rotary.static_rope(model)
-    table = rotary.RopeTable(model, model.lm_head.weight)
-    assert table.table is None
-    x = torch.zeros(1, 1, 32)
-    cos, _ = table(x, torch.tensor([[3]]), top=4)
-    assert cos.shape == (1, 1, 1, 16)
+    assert rotary.RopeTable(model, model.lm_head.weight).table is None
