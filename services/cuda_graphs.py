@@ -48,6 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services import ragged_attention
+
 log = logging.getLogger(__name__)
 
 KEY_BUCKET = 256  # a graph's keys a row, rounded up to this: fewer shapes to capture
@@ -194,11 +196,8 @@ class DecodeGraphs:
         x = lean.hf.model.embed_tokens(ids[None])  # [1, T, h]
         cos, sin = (t[0] for t in lean.rope(x, pos[None], L))  # [T, 1, D]
         buffers = lean.pool.segments[g.segment]
-        hidden = torch.arange(L, device=self.device)[None] > pos[:, None]  # [T, L]: a query
-        # sees the keys up to its own position
-        mask = torch.zeros(T, L, dtype=buffers[0][0].dtype, device=self.device
-                           ).masked_fill_(hidden, float("-inf"))
-        mask = mask.view(B, 1, M, L).repeat(1, 1, H // KV, 1)  # [B, 1, G M, L]
+        # a query sees the keys up to its own position: [B, 1, G M, L]
+        mask = ragged_attention.additive_mask(pos.view(B, M), 0, L, H // KV, buffers[0][0].dtype)
         for i, w in enumerate(lean.layers):
             q, k, v = lean.qkv(x[0], w, cos, sin)  # [T, H, D], [T, KV, D]
             keys, values = buffers[i]  # [S + 1, KV, slot_len, D]

@@ -73,6 +73,17 @@ class PooledRows:
         return self.span if self.span is not None else self.tok
 
 
+def additive_mask(last: torch.Tensor, since: int, keys: int, group: int, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """The scores' mask of padded queries whose last visible keys are ``last`` [n, M] over
+    keys since..keys-1: [n, 1, G M, keys - since], 0 where a query may attend and -inf
+    where not, each key head's G query heads' M rows in turn (``group`` G)."""
+    hidden = (torch.arange(since, keys, device=last.device)[None, None]
+              > last[:, :, None]).repeat(1, group, 1)[:, None]  # [n, 1, G M, keys - since]
+    return torch.zeros(hidden.shape, dtype=dtype, device=last.device).masked_fill_(
+        hidden, float("-inf"))
+
+
 def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, group: int,
          device: torch.device, since: int = 0,
          columns: dict[int, int] | None = None) -> list[PooledRows]:
@@ -110,10 +121,7 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
                               dtype=torch.long, device=device)
         slot_t = staged[P:2 * P]
         last = staged[4 * P:4 * P + n * width].view(n, width)  # [n, M]
-        hidden = (torch.arange(since, keys, device=device)[None, None]
-                  > last[:, :, None]).repeat(1, group, 1)[:, None]  # [n, 1, G M, L - since]
-        mask = torch.zeros(hidden.shape, dtype=pool.dtype, device=device).masked_fill_(
-            hidden, float("-inf"))
+        mask = additive_mask(last, since, keys, group, pool.dtype)  # [n, 1, G M, L - since]
         consecutive = tok == list(range(tok[0], tok[0] + len(tok)))
         plans.append(PooledRows(
             segment=segment, rows=idx, tok=staged[:P], slot=slot_t, pos=staged[2 * P:3 * P],
