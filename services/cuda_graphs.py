@@ -33,7 +33,10 @@ row's length hold numbers (``KVPool.ready``), as in the eager pass.
 A shape's first pass runs eagerly on a side stream (the warm-up CUDA asks for before a
 capture; it writes the pass's keys and values, which the replay then writes again with the
 same values), is captured and replayed. The graphs share one memory pool; at most
-``MAX_GRAPHS`` shapes are kept, the least recently used dropped. Passes of any other kind
+``MAX_GRAPHS`` shapes are kept, the least recently used dropped. Their logits go to one
+shared buffer (``_logits``): a graph's own [T, V] output would stay allocated for as long
+as the graph, so the graphs of a replica would hold one such tensor each, up to several GB
+with a large vocabulary; the run copies a pass's logits out before the next replay. Passes of any other kind
 (prompts, rows in several segments or off the pool, tree masks) run eagerly, and so does
 everything after a capture fails (logged once). On a CPU (``capture=False``) the same code
 runs eagerly: the tests check its indices, masks and padding against the ragged pass there.
@@ -64,7 +67,7 @@ class _Graph:
     L: int
     staged: torch.Tensor  # [5 T + B] on the device: the pass's inputs (module docstring)
     graph: torch.cuda.CUDAGraph | None = None
-    out: torch.Tensor | None = None  # [T, V]: the replay's logits
+    out: torch.Tensor | None = None  # [T, V]: the replay's logits, in the shared buffer
 
 
 def _bucket(n: int) -> int:
@@ -90,6 +93,7 @@ class DecodeGraphs:
         self.captures = 0
         self._graphs: OrderedDict[tuple[int, int, int, int], _Graph] = OrderedDict()
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
+        self._out: torch.Tensor | None = None  # [rows, V]: the graphs' logits (``_logits``)
 
     def shape(self, rows) -> tuple[int, int, int, int] | None:
         """The graph shape (segment, B, M, L) that runs ``rows`` (services.batching.Row), or
@@ -178,13 +182,28 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._body(g)
+            warm = self._body(g)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        out = self._logits(warm)
+        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            g.out = self._body(g)
-        g.graph = graph
+            out.copy_(self._body(g))  # (the body's own logits go back to the pool)
+        g.graph, g.out = graph, out
         self.captures += 1
+
+    def _logits(self, like: torch.Tensor) -> torch.Tensor:
+        """A view [T, V] of the graphs' shared logits buffer for a pass whose logits are
+        ``like``; allocated outside any capture. A buffer too small is replaced by one of at
+        least twice its rows: graphs captured before keep the old one until they go, so
+        the buffers held are at most about twice the largest."""
+        T, buf = like.shape[0], self._out
+        same = buf is not None and buf.shape[1:] == like.shape[1:] and buf.dtype == like.dtype
+        if not same or len(buf) < T:
+            rows = max(T, 2 * len(buf)) if same else T
+            buf = self._out = torch.empty((rows, *like.shape[1:]), dtype=like.dtype,
+                                          device=like.device)
+        return buf[:T]
 
     def _body(self, g: _Graph) -> torch.Tensor:
         """The fixed-shape pass over ``g.staged`` (module docstring): logits [T, V]."""

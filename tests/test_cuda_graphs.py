@@ -235,6 +235,24 @@ def test_graphs_are_made_for_cuda_devices_and_static_rotary_embeddings_only(tiny
         DecodeGraphs(lean, capture=False, row_max=POOL_ROW_MAX)
 
 
+def test_graphs_logits_are_views_of_one_buffer_that_grows_at_least_twofold(models):
+    """The graphs' outputs share one buffer (a capture copies its pass's logits there): a
+    pass of fewer rows than the buffer holds gets a view of it, a larger one a new buffer
+    of at least twice the rows, so that the buffers held stay about twice the largest; a
+    new vocabulary width or dtype gets its own."""
+    _, lean = models
+    graphs, V = lean.graphs, lean.config.vocab_size
+    a = graphs._logits(torch.empty(4, V))
+    b = graphs._logits(torch.empty(2, V))
+    assert a.shape == (4, V) and b.shape == (2, V) and b.data_ptr() == a.data_ptr()
+    c = graphs._logits(torch.empty(6, V))  # more than 4: max(6, 2 * 4) rows
+    assert c.shape == (6, V) and c.data_ptr() != a.data_ptr() and len(graphs._out) == 8
+    assert graphs._logits(torch.empty(8, V)).data_ptr() == c.data_ptr()
+    assert len(graphs._logits(torch.empty(20, V)).untyped_storage()) == 20 * V * 4  # 20 > 16
+    half = graphs._logits(torch.empty(2, V, dtype=torch.float16))
+    assert half.dtype == torch.float16 and len(graphs._out) == 2  # its own, of its rows
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_graphs_replay_the_eager_pass_on_a_gpu(monkeypatch):
     """On a CUDA device: the demo target with graphs (``auto``) and its twin without
@@ -271,6 +289,12 @@ def test_captured_graphs_replay_the_eager_pass_on_a_gpu(monkeypatch):
     assert graphed.graphs.replays == len(widths)
     shapes = {(6, w) if i % 2 == 0 else (3, w) for i, w in enumerate(widths)}
     assert graphed.graphs.captures == len(shapes)  # (6, 1) and (3, 1) came twice
+    # every graph's logits are a view of a shared buffer: T = 8, 16, 4, 24, 64 rows made
+    # buffers of 8, 16, 32 and 64 rows, not one [T, V] tensor per graph
+    held = {g.out.untyped_storage().data_ptr(): len(g.out.untyped_storage())
+            for g in graphed.graphs._graphs.values()}
+    assert sum(held.values()) <= 2 * len(graphed.graphs._out.untyped_storage())
+    assert len(held) < len(shapes)
     monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 2)
     rows = [Row(tokens=[5], kv=sessions[0][0], start=lengths[0], keep=1)]
     forward_rows(graphed, rows, dev, lambda: None)
