@@ -147,9 +147,29 @@ def run_notes(report: dict) -> list[str]:
     if any(r["mode"] == "default" for r in rows):
         notes.append("SpecMesh (gateway defaults) leaves k to the gateway, so the bench knows "
                      "no k for it: no α and no bound.")
+    notes += steal_notes(rows)
     m = report["machine"]
     notes.append(f"Load average (1 min) at start {m['load_average_start'][0]:.2f}, at end "
                  f"{m['load_average_end'][0]:.2f}, on {m['cores']} cores.")
+    return notes
+
+
+STEAL_WARN = 0.05  # a cell whose CPUs were stolen this much is named in the notes
+
+
+def steal_notes(rows: list[dict]) -> list[str]:
+    """What the steal column means, and the cells slowed by more than ``STEAL_WARN`` of it."""
+    if all(r.get("steal") is None for r in rows):
+        return ["Steal: not counted on this system (n/a)."]
+    notes = ["Steal: the share of the CPUs' time during the cell that a virtual machine's host "
+             "gave to other guests (the HF rows: over all of them, run together); a cell is "
+             "slowed by about that share, by load the machine itself cannot see."]
+    hit = [f"{r['label']} @ {r['concurrency']} ({r['steal'] * 100:.0f}%)" for r in rows
+           if (r.get("steal") or 0.0) > STEAL_WARN]
+    if hit:
+        notes.append(f"**Cells run with more than {STEAL_WARN:.0%} of the CPUs stolen**, whose "
+                     "ratios to the others say less (rerun them, or use --repeat): "
+                     + ", ".join(hit) + ".")
     return notes
 
 
@@ -170,7 +190,7 @@ ROW_COLUMNS = (("mode", None), ("concurrency", "d"), ("tokens/s", ".1f"), ("runs
                ("tokens/round", ".2f"), ("acceptance", ".3f"), ("α", ".3f"),
                ("TTFT p50 (ms)", ".1f"), ("cache hit", ".0f"), ("fan-out", ".2f"),
                ("gateway ms/round", ".3f"), ("prefix hit", ".0f"), ("CPU ms/token", ".2f"),
-               ("outputs match", None),
+               ("steal", ".0f"), ("outputs match", None),
                ("errors", "d"))
 
 
@@ -182,7 +202,7 @@ def row_cells(r: dict) -> list[str]:
             fmt(r["ttft_p50_ms"], ".1f"), fmt(_pct(r.get("cache_hit")), ".0f", "%"),
             fmt(r.get("fanout")), fmt(r.get("gateway_ms_per_round"), ".3f"),
             fmt(_pct(prefix_hit(r)), ".0f", "%"), fmt(r.get("cpu_ms_per_token"), ".2f"),
-            fmt(r["outputs_match"]), str(r["errors"])]
+            fmt(_pct(r.get("steal")), ".0f", "%"), fmt(r["outputs_match"]), str(r["errors"])]
 
 
 def _runs(row: dict) -> str:
