@@ -40,12 +40,14 @@ class DraftLength:
 
     def __init__(self, config: GatewayConfig, limits, drafters: ReplicaPool,
                  inflight: Callable[[], int],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 steal: Callable[[], tuple[int, int] | None] | None = None) -> None:
         self.config = config
         self.limits = limits
         self.drafters = drafters
         self._inflight = inflight
         self._clock = clock  # the engine's round start times are on this clock
+        self._steal = steal  # services/steal.py ``read``: the load switches' rates net of it
         self.switches: dict[tuple[str, int], LoadSwitch] = {}  # per drafter kind, load level
         self._load: float | None = None  # requests in flight, averaged over recent rounds
         # per drafter kind, load level and context level
@@ -167,7 +169,8 @@ class DraftLength:
                 pays = self._pays_alone(kind, req)
                 if self.config.plain_tokens > 1:  # (lone requests' plain probes: one token)
                     pays = False
-                switch = LoadSwitch() if pays is None else LoadSwitch(on=pays, patient=True)
+                switch = (LoadSwitch(steal=self._steal) if pays is None else
+                          LoadSwitch(on=pays, patient=True, steal=self._steal))
             self.switches[(kind, level)] = switch
         return switch
 

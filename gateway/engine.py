@@ -34,6 +34,7 @@ from gateway.step_batch import StepBatcher, steps_sent
 from gateway.telemetry import RequestTelemetry
 from gateway.turn_text import TurnText
 from gateway.turns import TurnRecord, resumed_spec
+from services import steal
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, PermissionDenied, Unavailable
 from services.metrics import GatewayMetrics
@@ -90,7 +91,8 @@ class GenerationEngine:
                                      first=lambda: steps_sent(self._step_batchers))
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
-        self.k = DraftLength(config, limits, drafters, lambda: self._inflight)
+        self.k = DraftLength(config, limits, drafters, lambda: self._inflight,
+                             steal=steal.read)
         verifiers.merge_plain = self.k.merge_plain
         self._inflight = 0
         self._background: set[asyncio.Task] = set()  # clean-ups still running

@@ -21,13 +21,21 @@ rate from epochs earlier switched to the worse mode on the drift alone. An explo
 that wins runs one more epoch and is kept only if the two epochs' average wins too: one
 epoch's luck would otherwise hand it the next ``first_explore`` epochs.
 
+On a virtual machine an epoch's rate is also low by the share of the CPUs' time the host
+gave to other guests meanwhile (steal, services/steal.py): with a ``steal`` clock (the
+services pass ``steal.read``) each epoch's rate is divided by ``1 - share``, so that a burst
+of it does not decide for the mode that happened to run under it.
+
 Used by the gateway, whether loaded requests draft (gateway/load_switch.py), and by a
 verifier, whether its passes without drafts run on more threads (services/plain_threads.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from services import steal as stolen
 
 
 @dataclass
@@ -44,6 +52,7 @@ class EpochSwitch:
     on: bool = True  # the mode of the current epoch
     patient: bool = False  # the first mode came from evidence: explore on schedule
     rate: dict[bool, float] = field(default_factory=dict)  # per mode: tokens per second of cycles
+    steal: Callable[[], tuple[int, int] | None] | None = None  # services/steal.py ``read``
     _exploring: bool = False  # this epoch tries the mode that is not the incumbent
     _confirming: bool = False  # ... for a second epoch, after it won the first
     _reported: bool | None = None  # the kept mode ``kept_changed`` last reported
@@ -54,6 +63,7 @@ class EpochSwitch:
     _tokens: int = 0
     _busy_s: float = 0.0
     _rounds: int = 0
+    _stolen_at: tuple[int, int] | None = None  # the steal clock when the epoch began
 
     def __post_init__(self) -> None:
         self._every = self._every or self.first_explore
@@ -83,7 +93,8 @@ class EpochSwitch:
                           first_explore=self.first_explore, max_explore=self.max_explore,
                           wide_margin=self.wide_margin, on_margin=self.on_margin,
                           cut_below=self.cut_below, on=self.incumbent,
-                          patient=True, rate=dict(self.rate), _every=self._every)
+                          patient=True, rate=dict(self.rate), steal=self.steal,
+                          _every=self._every)
 
     def mode(self, now: float) -> bool:
         """The mode of a unit of work starting ``now``. An epoch interrupted for longer
@@ -120,9 +131,18 @@ class EpochSwitch:
 
     def _begin(self, now: float) -> None:
         self._start, self._tokens, self._busy_s, self._rounds = now, 0, 0.0, 0
+        self._stolen_at = self.steal() if self.steal is not None else None
+
+    def _epoch_rate(self) -> float:
+        """The epoch's tokens per second of cycles, as if nothing had been stolen."""
+        rate = self._tokens / self._busy_s
+        if self.steal is None:
+            return rate
+        share = stolen.share(self._stolen_at, self.steal()) or 0.0
+        return rate / (1.0 - min(stolen.MAX_SHARE, share))
 
     def _end_epoch(self) -> None:
-        mode, rate = self.on, self._tokens / self._busy_s
+        mode, rate = self.on, self._epoch_rate()
         old = self.rate.get(mode)
         # A mode's average runs over its consecutive epochs only: a rate from before the other
         # mode's epochs is stale (rates drift as contexts grow), so an explored mode is judged

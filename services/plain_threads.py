@@ -32,12 +32,13 @@ MIN_GAIN = 1.1
 
 class PlainThreads:
     def __init__(self, narrow: int, wide: int, epoch_s: float = 0.5,
-                 min_passes: int = 8) -> None:
+                 min_passes: int = 8, steal=None) -> None:
         if wide <= narrow:
             raise ValueError(f"plain threads ({wide}) must be more than the process's "
                              f"threads ({narrow})")
         self.narrow, self.wide = narrow, wide
         self._epoch_s, self._min_passes = epoch_s, min_passes
+        self._steal = steal  # services/steal.py ``read``: epochs' rates net of steal
         # one switch per batch size level: a pass's rate depends on how many sessions it carries
         self.switches: dict[int, EpochSwitch] = {}
         self._previous: tuple[float, int] | None = None  # the last plain pass: start, rows
@@ -55,7 +56,8 @@ class PlainThreads:
         found = self.switches.get(level)
         if found is None:
             found = self.switches[level] = EpochSwitch(
-                epoch_s=self._epoch_s, min_rounds=self._min_passes, on_margin=MIN_GAIN)
+                epoch_s=self._epoch_s, min_rounds=self._min_passes, on_margin=MIN_GAIN,
+                steal=self._steal)
         return found
 
     def kept(self, level: int) -> int:

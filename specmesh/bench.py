@@ -28,17 +28,11 @@ from typing import Annotated
 
 import typer
 
+from services import steal
 from specmesh import bench_baselines, bench_report
 from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, model_info
 from specmesh.bench_gateway import run_level, stream_one_client
-from specmesh.bench_machine import (
-    ProcessCpu,
-    count_params,
-    cpu_clock,
-    machine_info,
-    steal_share,
-    wait_quiet,
-)
+from specmesh.bench_machine import ProcessCpu, count_params, machine_info, wait_quiet
 from specmesh.bench_modes import (
     DEFAULT_MODE_KEYS,
     HF_KEYS,
@@ -92,19 +86,19 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
             for i, cell in cells if (level + rep) % 2 == 0 else cells[::-1]:
                 settle_s = wait_quiet()  # (the previous cell's engine may still be spinning)
                 tag = f" (run {rep + 1}/{opts.repeat})" if opts.repeat > 1 else ""
-                clock = cpu_clock()
+                clock = steal.read()
                 row = (_peer_row(*cell, texts, c, opts, progress, outputs, tag)
                        if isinstance(cell, tuple) else
                        _mode_row(address, cell, texts, c, opts, probe, cpu, progress, outputs,
                                  tag))
                 runs[i].append({**row, "settle_s": settle_s,
-                                "steal": steal_share(clock, cpu_clock())})
+                                "steal": steal.share(clock, steal.read())})
         rows += [bench_report.median_run(runs[i]) for i, _ in cells]
         if level == 0 and hf_modes and hf_pair is not None:
-            clock = cpu_clock()
+            clock = steal.read()
             hf_rows = run_hf_rows(hf_pair, hf_modes, texts, opts, progress, outputs)
-            steal = steal_share(clock, cpu_clock())  # (one run loads and runs them all)
-            rows += [{**r, "steal": steal} for r in hf_rows]
+            stolen = steal.share(clock, steal.read())  # (one run loads and runs them all)
+            rows += [{**r, "steal": stolen} for r in hf_rows]
     base = bench_baselines.compare(rows, outputs)
     target_1 = next((r for r in rows if r["mode"] == TARGET_KEY and r["concurrency"] == 1), None)
     costs = [cost_figures(target_1, r, mode.k, mode.drafter) for mode in gateway_modes

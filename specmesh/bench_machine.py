@@ -1,8 +1,7 @@
 """What `specmesh bench` records about the machine and the models: CPU, cores, versions, the
 commit, the load average, and the parameter count of a local model directory; and
 ``wait_quiet``, which lets the CPUs settle between cells, ``ProcessCpu``, the CPU time a set
-of processes (the local mesh's) used, and ``steal_share``, the CPU time a virtual machine's
-host gave to other guests during a cell."""
+of processes (the local mesh's) used."""
 
 from __future__ import annotations
 
@@ -68,26 +67,6 @@ def wait_quiet(max_s: float = 5.0, busy_cores: float = 0.3, sample_s: float = 0.
         if time.monotonic() - start >= max_s:
             break
     return time.monotonic() - start
-
-
-def cpu_clock() -> tuple[float, float] | None:
-    """(CPU seconds stolen, CPU seconds in all) over every core since boot, or None where the
-    system does not count steal (``steal_share`` of two readings)."""
-    import psutil
-
-    times = psutil.cpu_times()
-    steal = getattr(times, "steal", None)
-    return None if steal is None else (steal, sum(times))
-
-
-def steal_share(before: tuple[float, float] | None, after: tuple[float, float] | None
-                ) -> float | None:
-    """The share of the CPUs' time between two ``cpu_clock`` readings that the hypervisor gave
-    to other guests (steal): a cell run while it was high was slowed by about that share, by
-    something outside the machine that ``wait_quiet`` cannot see. None without readings."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return max(0.0, after[0] - before[0]) / (after[1] - before[1])
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")

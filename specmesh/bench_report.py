@@ -161,9 +161,10 @@ def steal_notes(rows: list[dict]) -> list[str]:
     """What the steal column means, and the cells slowed by more than ``STEAL_WARN`` of it."""
     if all(r.get("steal") is None for r in rows):
         return ["Steal: not counted on this system (n/a)."]
-    notes = ["Steal: the share of the CPUs' time during the cell that a virtual machine's host "
-             "gave to other guests (the HF rows: over all of them, run together); a cell is "
-             "slowed by about that share, by load the machine itself cannot see."]
+    notes = ["Steal: the share of the time the CPUs had work for during the cell that a "
+             "virtual machine's host gave to other guests instead (/proc/stat; the HF rows: "
+             "over all of them, run together); a cell is slowed by about that share, by load "
+             "the machine itself cannot see."]
     hit = [f"{r['label']} @ {r['concurrency']} ({r['steal'] * 100:.0f}%)" for r in rows
            if (r.get("steal") or 0.0) > STEAL_WARN]
     if hit:

@@ -1,0 +1,48 @@
+"""CPU time a virtual machine's host took from it (steal), for rates measured on a shared host.
+
+On a virtual machine the hypervisor runs other guests on the same physical cores. The time a
+vCPU had work to run but was not given the core is counted as steal (``/proc/stat``). A
+throughput measured over an interval in which a share ``f`` of the time the CPUs had work
+for was stolen is low by about that share: the same work would have run in ``1 - f`` of the
+time. On the 2-core VM of docs/performance.md's 2026-11-27 section, consecutive 8-stream
+blocks of the same load ran 370-650 tokens/s, the slow ones with 8-22% of the CPUs' time
+stolen, and half-second epochs compared under such bursts (services/epoch_switch.py) kept
+the worse mode: a verifier's 16-session passes on one thread, at about two thirds of what
+two gave.
+
+``read()`` gives (stolen, demanded) CPU time since boot in the kernel's ticks; demanded is
+the time the CPUs ran something (user, nice, system, irq, softirq) plus what was stolen.
+``share(before, after)`` is the stolen share of the demanded time between two readings.
+Idle vCPUs are not counted: an idle core is not slowed by the host. `specmesh bench` reports
+it per cell; the epoch switches divide each epoch's rate by ``1 - share`` (at most
+``MAX_SHARE`` of it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+MAX_SHARE = 0.5  # a rate's correction never more than doubles it
+
+
+def read(path: Path = PROC_STAT) -> tuple[int, int] | None:
+    """(stolen, demanded) ticks over every CPU since boot, or None where the system does not
+    count steal (not Linux, or a kernel without the field)."""
+    try:
+        with path.open() as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return steal, user + nice + system + irq + softirq + steal
+
+
+def share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The stolen share of the CPU time demanded between two ``read()`` readings; None
+    without readings or demand between them."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return max(0, after[0] - before[0]) / (after[1] - before[1])
