@@ -29,6 +29,7 @@ from gateway.adaptive import (
 from gateway.load_switch import LoadSwitch
 from gateway.replicas import ReplicaPool
 from gateway.round_result import RoundResult
+from services import steal as stolen
 from services.config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class DraftLength:
         self.drafters = drafters
         self._inflight = inflight
         self._clock = clock  # the engine's round start times are on this clock
-        self._steal = steal  # services/steal.py ``read``: the load switches' rates net of it
+        self._steal = steal  # services/steal.py ``read``: switches' rates, cycles net of it
         self.switches: dict[tuple[str, int], LoadSwitch] = {}  # per drafter kind, load level
         self._load: float | None = None  # requests in flight, averaged over recent rounds
         # per drafter kind, load level and context level
@@ -221,14 +222,22 @@ class DraftLength:
     def learn_cycle(self, req, kind: str, now: float) -> None:
         """The previous round's whole cycle (its calls, the gateway's commit and streaming,
         what pipelining hid), measured from its start to this round's: what the adaptive k
-        weighs against tokens per round, and under load the switch against the tokens."""
-        if req.rounds.last is None or not req.rounds.last[1].warm:  # (a prefill is slow)
+        weighs against tokens per round, and under load the switch against the tokens. The
+        cost model's is net of the share of the CPUs' time a VM's host stole meanwhile
+        (services/steal.py; the switch takes its epochs net of it itself): a plain cycle,
+        rare while drafting wins, weighs up to a half, and one timed in a burst of steal
+        kept drafting on where it did not pay, or off where it did."""
+        rounds = req.rounds
+        clock = self._steal() if self._steal is not None else None
+        stolen_at, rounds.stolen_at = rounds.stolen_at, clock
+        if rounds.last is None or not rounds.last[1].warm:  # (a prefill is slow)
             return
-        started, r = req.rounds.last
+        started, r = rounds.last
         if load_level(self._inflight()) > 0:
             self._switch(kind, req).observe(started, now - started, len(r.proposed), r.cut)
+        net = 1.0 - min(stolen.MAX_SHARE, stolen.share(stolen_at, clock) or 0.0)
         self._costs(kind, req).observe_cycle(len(r.drafted),
-                                             (now - started) * 1000.0 / _plain_share(r))
+                                             (now - started) * 1000.0 * net / _plain_share(r))
 
 
 def _plain_share(r: RoundResult) -> int:

@@ -30,6 +30,7 @@ class SessionRounds:
     prefetch: SpecCache | None = None
     last: tuple[float, RoundResult] | None = None
     adaptive: AdaptiveK | None = None
+    stolen_at: tuple[int, int] | None = None  # the host's steal clock at the last round's start
 
     @property
     def tokens(self) -> list[int]:

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+import pytest
+
 from gateway.chunks import TargetLimits
 from gateway.draft_length import DraftLength
 from gateway.load_switch import LoadSwitch
@@ -395,3 +397,32 @@ def test_the_gateway_logs_what_its_load_switch_keeps(caplog):
     _population(0.65, plain_ms=28.0, spec_ms=38.0, seconds=6.0)
     lines = [r.getMessage() for r in caplog.records if "rounds now" in r.getMessage()]
     assert len(lines) == 1 and "rounds now draft (" in lines[0], lines
+
+
+def test_a_cycle_is_learned_net_of_the_cpu_time_the_host_stole_meanwhile():
+    """On a VM whose host stole 30% of the CPUs' demanded time during a round, the round's
+    20 ms stand for 14 of its own: the cost model learns 14 (a plain cycle weighs up to a
+    half, and one timed in a burst of steal decided for or against drafting on the burst).
+    Without a steal clock, or with none stolen, it learns the wall time."""
+    host = [0, 0]  # stolen, demanded ticks
+    dl = DraftLength(GatewayConfig(server=ServerConfig(port=1), redis_url="redis://x",
+                                   verifiers=("127.0.0.1:2",)),
+                     TargetLimits(vocab_size=100, max_context=1 << 20,
+                                  eos_token_ids=frozenset(), fingerprint="f",
+                                  max_draft_tokens=8),
+                     ReplicaPool("drafter", (), 1.0, []), inflight=lambda: 1,
+                     steal=lambda: tuple(host))
+    plain = RoundResult(drafted=(), drafter_tail=None, num_accepted=0, extra_token=3,
+                        draft_ms=0.0, verify_ms=8.0, draft_compute_ms=0.0,
+                        verify_compute_ms=7.0)
+    req = _Req(GREEDY, SessionHandle(session_id="s", version=0, tokens=[5] * 10))
+    dl.learn_cycle(req, "model", 0.0)  # the first round starts: the clock's first reading
+    req.rounds.last = (0.0, plain)
+    host[:] = [30, 100]  # 30% of what the CPUs had work for went to other guests
+    dl.learn_cycle(req, "model", 0.020)
+    costs = dl._costs("model", req)
+    assert costs.cycle_ms[0] == pytest.approx(14.0)
+    req.rounds.last = (0.020, plain)
+    host[:] = [30, 200]  # nothing stolen in the next round: its wall time
+    dl.learn_cycle(req, "model", 0.030)
+    assert costs.cycle_ms[0] == pytest.approx(0.9 * 14.0 + 0.1 * 10.0)
