@@ -24,20 +24,10 @@ the maximum-likelihood per-token rate is Σ successes / (Σ successes + Σ failu
 request keeps its own counts, decayed so that recent rounds weigh most, starting from the
 gateway-wide counts for that drafter kind (a prior worth a few rounds), so that one
 unlucky round does not switch speculation off.
-
-Acceptance differs from prompt to prompt far more than that prior can say (0.44 to 0.99 per
-token over the shipped prompts on the demo pair), and a round without drafts teaches
-nothing about it. So until a request has drafted ``probe_rounds`` rounds of its own it
-decides with an optimistic α, its estimate plus ``explore`` standard errors (the upper end
-of what its few counts allow): a request whose prior sits just below paying drafts tries,
-and its own rounds then decide; one whose prior is far below does not. Measured at one
-stream, five requests in a row behind a prior of 0.57 never drafted, and the next one,
-once a probe let it, was accepted at 0.99.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 
@@ -211,11 +201,8 @@ class AdaptiveK:
     #                        next ones measure what drafting costs, pipelining included. A
     #                        lone probe round was never measured, so one slow drafting cycle
     #                        seen early (a busy machine) kept k = 0 winning for good.
-    explore: float = 0.5  # standard errors added to α until the request drafted
-    #                       probe_rounds rounds of its own (module docstring)
     _burst: int = 0  # rounds of the current probe still to draft
     _rounds: int = 0
-    _drafted: int = 0  # rounds this request drafted
     _counts: AcceptanceCounts = field(init=False)
 
     def __post_init__(self) -> None:
@@ -229,16 +216,6 @@ class AdaptiveK:
     @property
     def alpha(self) -> float:
         return min(0.99, self._counts.alpha(self.prior_alpha))
-
-    def deciding_alpha(self) -> float:
-        """The α the choice of k uses: ``alpha``, plus ``explore`` standard errors of the
-        per-token rate (α (1 − α) / trials) while the request has drafted fewer than
-        ``probe_rounds`` rounds."""
-        alpha = self.alpha
-        trials = self._counts.successes + self._counts.failures
-        if self._drafted >= self.probe_rounds or trials <= 0:
-            return alpha
-        return min(0.99, alpha + self.explore * math.sqrt(alpha * (1.0 - alpha) / trials))
 
     def next_k(self, plain: int = 1) -> int:
         """The next round's k; ``plain``: the tokens the round would decode without drafts
@@ -255,7 +232,7 @@ class AdaptiveK:
             self._burst -= 1
             k = self.only or 1
         else:
-            k = best_k(self.deciding_alpha(), self.costs, self.k_max, self.only)
+            k = best_k(self.alpha, self.costs, self.k_max, self.only)
             costs = self.costs  # (the probes' schedule is shared: CostModel.since_draft)
             if k == 0:
                 if costs.since_draft + 1 >= self.probe_every << costs.probe_backoff:
@@ -265,10 +242,7 @@ class AdaptiveK:
                     top = self.max_backoff + plain.bit_length() - 1
                     costs.probe_backoff = min(top, costs.probe_backoff + 1)
             else:
-                if best_k(self.alpha, costs, self.k_max, self.only):
-                    # (drafts pay by the evidence, not only by the optimism: an exploring
-                    # request that fails must not reset the schedule for all)
-                    costs.probe_backoff = 0
+                costs.probe_backoff = 0
                 if self._rounds % self.probe_every == self.probe_every - 1:
                     # Keep the neighbours' measured costs fresh, and the cost of not
                     # speculating at all: every k is weighed against it, and a cycle
@@ -286,6 +260,5 @@ class AdaptiveK:
 
     def observe(self, k: int, accepted: int) -> None:
         """Acceptance of one round: accepted of k drafts (stops at the first rejection)."""
-        self._drafted += k > 0
         self._counts.observe(k, accepted)
         self.costs.acceptance.observe(k, accepted)

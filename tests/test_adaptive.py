@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 
 from gateway.adaptive import (
-    AcceptanceCounts,
     AdaptiveK,
     CostModel,
     best_k,
@@ -271,48 +269,3 @@ def test_probes_count_the_tokens_of_plain_rounds():
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     assert gaps[:5] == [2 + 3, 4 + 3, 8 + 3, 16 + 3, 32 + 3], gaps  # plain rounds + a probe
     assert set(gaps[5:]) == {64 + 3}, gaps
-
-
-def _near_break_even(explore: float, alpha: float, seed: int) -> list[int]:
-    """A request at one stream with rounds of 8 plain tokens at 7.0 ms each against 14.6 ms
-    for a round of 3 drafts (break-even at a per-token α of about 0.57), behind a gateway-wide
-    α of 0.55 and a probe schedule earlier requests backed off to 64 tokens; its own drafts
-    accepted at ``alpha``. The k of its 16 rounds."""
-    model = costs(draft=1.0, base=7.0, per_draft=1.0, rtt=0.5)
-    for _ in range(10):
-        model.observe_cycle(0, 7.0)
-        model.observe_cycle(3, 14.6)
-    model.acceptance = AcceptanceCounts(successes=55.0, failures=45.0, decay=0.98)
-    model.probe_backoff = 3
-    ctl = AdaptiveK(model, k_max=3, only=3, explore=explore)
-    return _simulate(ctl, model, alpha, lambda k: 14.6 if k else 7.0, 16, random.Random(seed),
-                     catch_up=True, plain=8)
-
-
-def test_a_request_whose_prior_sits_just_below_paying_tries_its_own_drafts_first():
-    """Measured at one stream over the shipped prompts: acceptance ran from 0.44 to 0.99 per
-    request, the gateway-wide α sat at 0.57, just below paying, and five requests in a row
-    decoded without a single draft (plain rounds teach nothing about α) until the schedule's
-    probe let the sixth draft: accepted at 0.99. Deciding with α plus half a standard error
-    until it has drafted 3 rounds, a request tries at once: one whose drafts are accepted
-    goes on drafting, one whose drafts are rejected stops after a round or two."""
-    assert _near_break_even(0.0, 0.95, 1)[:8] == [0] * 8  # before: the probe, 64 tokens in
-    good = _near_break_even(0.5, 0.95, 1)
-    assert good[0] == 3 and good.count(3) >= 14, good
-    for seed in range(5):  # rejected: a round or two, then plain until the schedule's probe
-        bad, before = _near_break_even(0.5, 0.2, seed), _near_break_even(0.0, 0.2, seed)
-        assert bad[0] == 3 and bad[2:9] == [0] * 7, bad
-        assert sum(1 for k in bad if k) <= sum(1 for k in before if k) + 2
-
-
-def test_the_optimism_is_for_priors_near_paying_and_ends_with_the_requests_own_rounds():
-    """A prior far below paying (α 0.15, as behind the 800-token context) gets no draft from
-    half a standard error; and once a request has drafted 3 rounds its own α decides."""
-    model = costs()
-    model.acceptance = AcceptanceCounts(successes=15.0, failures=85.0)
-    ctl = AdaptiveK(model, k_max=3, only=3)
-    assert ctl.alpha == pytest.approx(0.15)
-    assert ctl.deciding_alpha() == pytest.approx(0.15 + 0.5 * math.sqrt(0.15 * 0.85 / 4))
-    for accepted in (3, 0, 1):
-        ctl.observe(3, accepted)
-    assert ctl.deciding_alpha() == ctl.alpha  # its own 3 rounds: no more optimism
