@@ -56,6 +56,8 @@ class BenchOptions:
     seed: int = 0
     timeout_s: float = 600.0
     repeat: int = 1  # runs of every cell; its row is the median run
+    max_steal: float = 0.05  # a cell run with more of the CPUs' time stolen than this ...
+    steal_reruns: int = 1  # ... runs again up to this many times; the least stolen run counts
 
 
 def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchOptions,
@@ -66,8 +68,10 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     (peer, its model)), in that order on even levels and reversed on odd ones, each once the
     CPUs are quiet; the HF rows after the first level's. With ``opts.repeat`` N > 1 a level
     passes over its cells N times, each pass in the other order, and a cell's row is its
-    run with the median tokens/s (``bench_report.median_run``). ``progress(label, total)`` returns
-    an advance(). ``cpu``: the mesh's processes (a local mesh), for each gateway cell's CPU
+    run with the median tokens/s (``bench_report.median_run``). A run during which a VM's
+    host stole more than ``opts.max_steal`` of the CPUs' demanded time runs again, up to
+    ``opts.steal_reruns`` times, and the least stolen one counts (services/steal.py).
+    ``progress(label, total)`` returns an advance(). ``cpu``: the mesh's processes (a local mesh), for each gateway cell's CPU
     seconds and CPU milliseconds per generated token (None with ``--addr``)."""
     texts = [p["prompt"] for p in prompts]
     rows: list[dict] = []
@@ -84,15 +88,21 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
         runs: dict[int, list[dict]] = {i: [] for i, _ in cells}
         for rep in range(opts.repeat):  # each pass over the cells in the other order
             for i, cell in cells if (level + rep) % 2 == 0 else cells[::-1]:
-                settle_s = wait_quiet()  # (the previous cell's engine may still be spinning)
                 tag = f" (run {rep + 1}/{opts.repeat})" if opts.repeat > 1 else ""
-                clock = steal.read()
-                row = (_peer_row(*cell, texts, c, opts, progress, outputs, tag)
-                       if isinstance(cell, tuple) else
-                       _mode_row(address, cell, texts, c, opts, probe, cpu, progress, outputs,
-                                 tag))
-                runs[i].append({**row, "settle_s": settle_s,
-                                "steal": steal.share(clock, steal.read())})
+                tried = []
+                for _ in range(1 + opts.steal_reruns):  # (a VM's host took CPU time meanwhile)
+                    settle_s = wait_quiet()  # (the previous cell's engine may still spin)
+                    clock = steal.read()
+                    row = (_peer_row(*cell, texts, c, opts, progress, outputs, tag)
+                           if isinstance(cell, tuple) else
+                           _mode_row(address, cell, texts, c, opts, probe, cpu, progress,
+                                     outputs, tag))
+                    tried.append({**row, "settle_s": settle_s,
+                                  "steal": steal.share(clock, steal.read())})
+                    if (tried[-1]["steal"] or 0.0) <= opts.max_steal:
+                        break
+                best = min(tried, key=lambda r: r["steal"] or 0.0)
+                runs[i].append({**best, "steal_reruns": len(tried) - 1})
         rows += [bench_report.median_run(runs[i]) for i, _ in cells]
         if level == 0 and hf_modes and hf_pair is not None:
             clock = steal.read()
@@ -262,6 +272,13 @@ def bench(
         help="NAME=URL of an OpenAI-compatible server (vLLM, llama.cpp's llama-server, ...) "
              "to run the same prompts against at every concurrency level, in the same run; "
              "repeatable.")] = None,
+    max_steal: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="On a virtual machine: a cell run during which the host took "
+                               "more than this share of the CPUs' time for other guests "
+                               "(steal, /proc/stat) runs again (--steal-reruns).")] = 0.05,
+    steal_reruns: Annotated[int, typer.Option(
+        min=0, help="How many times a cell run above --max-steal runs again; the least "
+                    "stolen run counts (0: never).")] = 1,
 ) -> None:
     """Compare SpecMesh (model drafter with a fixed k and with the gateway's defaults, n-gram
     drafter) with plain HF generate (the speedup base), HF assisted generation (fixed k and its
@@ -311,7 +328,8 @@ def bench(
     except OSError as exc:
         raise typer.BadParameter(f"--peer: a peer does not answer at its /models: {exc}") from exc
     opts = BenchOptions(concurrency=levels, k=k, max_new_tokens=max_new_tokens, threads=threads,
-                        device=device, seed=seed, timeout_s=timeout, repeat=repeat)
+                        device=device, seed=seed, timeout_s=timeout, repeat=repeat,
+                        max_steal=max_steal, steal_reruns=steal_reruns)
     chosen = load_prompts(prompt_file or PROMPTS_PATH, prompts)
     mode_list = make_modes(keys, k)
     if not addr and not target:
@@ -362,7 +380,7 @@ def bench(
     report = {
         "machine": {**machine, "load_average_end": list(os.getloadavg())},
         "settings": {"concurrency": levels, "k": k, "max_new_tokens": max_new_tokens,
-                     "repeat": repeat,
+                     "repeat": repeat, "max_steal": max_steal, "steal_reruns": steal_reruns,
                      "modes": keys, "threads": threads,
                      "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
                      "drafter_device": drafter_device,

@@ -165,6 +165,12 @@ def steal_notes(rows: list[dict]) -> list[str]:
              "virtual machine's host gave to other guests instead (/proc/stat; the HF rows: "
              "over all of them, run together); a cell is slowed by about that share, by load "
              "the machine itself cannot see."]
+    rerun = [f"{r['label']} @ {r['concurrency']} ({r['steal_reruns']})" for r in rows
+             if r.get("steal_reruns")]
+    if rerun:
+        notes.append("Cells run again because the host stole more than --max-steal of the "
+                     "CPUs' time, the least stolen run kept (times run again): "
+                     + ", ".join(rerun) + ".")
     hit = [f"{r['label']} @ {r['concurrency']} ({r['steal'] * 100:.0f}%)" for r in rows
            if (r.get("steal") or 0.0) > STEAL_WARN]
     if hit:

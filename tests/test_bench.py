@@ -361,6 +361,50 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
         assert (out / name).read_bytes()[:8] == PNG
 
 
+def test_a_cell_run_while_the_host_stole_much_runs_again(tiny_pair, tmp_path, monkeypatch):
+    """A VM's host that takes half the CPUs' time during a cell's first run (a fake steal
+    clock: nothing else can make a host steal on cue): that run is over --max-steal, the cell
+    runs again, and the less stolen run is the row, marked in bench.json and the notes.
+    Cells under the bound run once; with --steal-reruns 0 none runs again."""
+    from specmesh import bench
+
+    def fake_clock(shares):
+        ticks, calls = [0, 0], [0]
+
+        def read():  # readings come in pairs around each cell run: stolen, demanded ticks
+            calls[0] += 1
+            if calls[0] % 2 == 0:
+                share = shares.pop(0) if shares else 0.0
+                ticks[0] += round(100 * share)
+                ticks[1] += 100
+            return tuple(ticks)
+        return read
+
+    target, draft = tiny_pair
+    args = ["bench", "--target", target, "--drafter", draft, "--modes", "target", "--no-hf",
+            "--concurrency", "1,2", "--prompts", "2", "--max-new-tokens", "8"]
+    monkeypatch.setattr(bench.steal, "read", fake_clock([0.5, 0.01]))
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "a" / "bench.json").read_text())
+    assert report["settings"]["max_steal"] == 0.05 and report["settings"]["steal_reruns"] == 1
+    rows = {r["concurrency"]: r for r in report["rows"]}
+    assert rows[1]["steal_reruns"] == 1 and rows[1]["steal"] == pytest.approx(0.01)
+    assert rows[2]["steal_reruns"] == 0 and rows[2]["steal"] == 0.0
+    assert rows[1]["requests"] == 2  # the row is one run's, not both runs' together
+    md = (tmp_path / "a" / "bench.md").read_text()
+    assert ("least stolen run kept (times run again): SpecMesh target-only "
+            "(serving-path overhead) @ 1 (1).") in md
+    monkeypatch.setattr(bench.steal, "read", fake_clock([0.5]))
+    result = CliRunner().invoke(app, [*args, "--steal-reruns", "0", "--out", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    rows = {r["concurrency"]: r for r in json.loads(
+        (tmp_path / "b" / "bench.json").read_text())["rows"]}
+    assert rows[1]["steal_reruns"] == 0 and rows[1]["steal"] == pytest.approx(0.5)
+    assert "SpecMesh target-only (serving-path overhead) @ 1 (50%)" in (
+        tmp_path / "b" / "bench.md").read_text()
+
+
 def test_bench_repeats_each_cell_and_reports_its_median_run(tiny_pair, tmp_path):
     """--repeat 3: every cell runs three times; its row is the run with the median tokens/s,
     every run's tokens/s beside it (bench.json and the table's runs column), and every run's
