@@ -71,8 +71,9 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
     run with the median tokens/s (``bench_report.median_run``). A run during which a VM's
     host stole more than ``opts.max_steal`` of the CPUs' demanded time runs again, up to
     ``opts.steal_reruns`` times, and the least stolen one counts (services/steal.py).
-    ``progress(label, total)`` returns an advance(). ``cpu``: the mesh's processes (a local mesh), for each gateway cell's CPU
-    seconds and CPU milliseconds per generated token (None with ``--addr``)."""
+    ``progress(label, total)`` returns an advance(). ``cpu``: the mesh's processes (a local
+    mesh), for each gateway cell's CPU seconds and CPU milliseconds per generated token (None
+    with ``--addr``)."""
     texts = [p["prompt"] for p in prompts]
     rows: list[dict] = []
     outputs: dict[tuple[str, int], list[dict]] = {}
