@@ -235,9 +235,9 @@ class DraftLength:
         started, r = rounds.last
         if load_level(self._inflight()) > 0:
             self._switch(kind, req).observe(started, now - started, len(r.proposed), r.cut)
-        net = 1.0 - min(stolen.MAX_SHARE, stolen.share(stolen_at, clock) or 0.0)
+        own = stolen.net(stolen_at, clock)  # (1 without a clock)
         self._costs(kind, req).observe_cycle(len(r.drafted),
-                                             (now - started) * 1000.0 * net / _plain_share(r))
+                                             (now - started) * 1000.0 * own / _plain_share(r))
 
 
 def _plain_share(r: RoundResult) -> int:

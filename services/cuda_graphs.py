@@ -36,8 +36,9 @@ same values), is captured and replayed. The graphs share one memory pool; at mos
 ``MAX_GRAPHS`` shapes are kept, the least recently used dropped. Their logits go to one
 shared buffer (``_logits``): a graph's own [T, V] output would stay allocated for as long
 as the graph, so the graphs of a replica would hold one such tensor each, up to several GB
-with a large vocabulary; the run copies a pass's logits out before the next replay. Passes of any other kind
-(prompts, rows in several segments or off the pool, tree masks) run eagerly, and so does
+with a large vocabulary; the run copies a pass's logits out before the next replay. Passes
+of any other kind (prompts, rows in several segments or off the pool, tree masks) run
+eagerly, and so does
 everything after a capture fails (logged once). On a CPU (``capture=False``) the same code
 runs eagerly: the tests check its indices, masks and padding against the ragged pass there.
 """
@@ -194,15 +195,14 @@ class DecodeGraphs:
 
     def _logits(self, like: torch.Tensor) -> torch.Tensor:
         """A view [T, V] of the graphs' shared logits buffer for a pass whose logits are
-        ``like``; allocated outside any capture. A buffer too small is replaced by one of at
-        least twice its rows: graphs captured before keep the old one until they go, so
-        the buffers held are at most about twice the largest."""
+        ``like`` (the replica's vocabulary and dtype); allocated outside any capture. A
+        buffer too small is replaced by one of at least twice its rows: graphs captured
+        before keep the old one until they go, so the buffers held are at most about twice
+        the largest."""
         T, buf = like.shape[0], self._out
-        same = buf is not None and buf.shape[1:] == like.shape[1:] and buf.dtype == like.dtype
-        if not same or len(buf) < T:
-            rows = max(T, 2 * len(buf)) if same else T
-            buf = self._out = torch.empty((rows, *like.shape[1:]), dtype=like.dtype,
-                                          device=like.device)
+        if buf is None or len(buf) < T:
+            rows = T if buf is None else max(T, 2 * len(buf))
+            buf = self._out = like.new_empty((rows, *like.shape[1:]))
         return buf[:T]
 
     def _body(self, g: _Graph) -> torch.Tensor:

@@ -138,8 +138,7 @@ class EpochSwitch:
         rate = self._tokens / self._busy_s
         if self.steal is None:
             return rate
-        share = stolen.share(self._stolen_at, self.steal()) or 0.0
-        return rate / (1.0 - min(stolen.MAX_SHARE, share))
+        return rate / stolen.net(self._stolen_at, self.steal())
 
     def _end_epoch(self) -> None:
         mode, rate = self.on, self._epoch_rate()

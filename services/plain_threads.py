@@ -20,6 +20,7 @@ drafts, or feeds a prompt, runs as before and breaks the chain of cycles.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from services.epoch_switch import EpochSwitch
 
@@ -32,7 +33,8 @@ MIN_GAIN = 1.1
 
 class PlainThreads:
     def __init__(self, narrow: int, wide: int, epoch_s: float = 0.5,
-                 min_passes: int = 8, steal=None) -> None:
+                 min_passes: int = 8,
+                 steal: Callable[[], tuple[int, int] | None] | None = None) -> None:
         if wide <= narrow:
             raise ValueError(f"plain threads ({wide}) must be more than the process's "
                              f"threads ({narrow})")

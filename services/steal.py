@@ -40,6 +40,13 @@ def read(path: Path = PROC_STAT) -> tuple[int, int] | None:
     return steal, user + nice + system + irq + softirq + steal
 
 
+def net(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
+    """The share of the interval between two readings that was the machine's own: 1 − the
+    stolen share, at least 1 − MAX_SHARE (a rate divided by it at most doubles); 1 without
+    readings."""
+    return 1.0 - min(MAX_SHARE, share(before, after) or 0.0)
+
+
 def share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
     """The stolen share of the CPU time demanded between two ``read()`` readings; None
     without readings or demand between them."""

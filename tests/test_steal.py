@@ -30,6 +30,10 @@ def test_the_share_is_of_the_time_demanded_between_two_readings():
     assert steal.share((10, 100), (13, 140)) == pytest.approx(3 / 40)
     assert steal.share(None, (1, 2)) is None and steal.share((1, 2), None) is None
     assert steal.share((1, 5), (1, 5)) is None  # nothing ran in between
+    # what is left of the interval: a rate divided by it at most doubles
+    assert steal.net((10, 100), (13, 140)) == pytest.approx(1 - 3 / 40)
+    assert steal.net((0, 0), (90, 100)) == steal.net((0, 0), (50, 100)) == 0.5
+    assert steal.net(None, (1, 2)) == 1.0
     before = steal.read()  # this Linux machine counts it, and the counters only grow
     time.sleep(0.05)
     after = steal.read()
