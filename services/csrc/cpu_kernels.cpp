@@ -19,7 +19,8 @@
 // one cache line per stream every second feature. Inside a pass the weights come from
 // memory, not from the caches (the pass reads ~20 MB of them for the demo target); with the
 // hardware prefetcher alone the layers streamed them at ~5 GB/s on a 2-core Xeon VM, and with
-// this the model's 25 linear layers took 1.3-1.5x less time at 1 and 8 rows
+// this the model's 25 linear layers took 1.3-2.0 ms against 2.2-4.0 at one row and 2.7-3.1
+// against 3.7-5.3 at eight (medians of alternated builds)
 // (docs/performance.md, 2026-11-27).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
