@@ -21,6 +21,7 @@ from services.errors import Unimplemented, grpc_errors
 from services.kv_cache import SessionCaches
 from services.model_service import ModelServiceRpcs, build_metrics, build_parts, run_service
 from services.models import describe_without_weights
+from services.server import check_server_ports
 from services.telemetry import TelemetryConfig, setup
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -109,6 +110,7 @@ def build_engine(config: ModelServiceConfig) -> DrafterEngine | NgramDrafterEngi
 
 
 def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
+    check_server_ports(config.server)  # before the model loads: a taken port fails at once
     telemetry = setup(telemetry_config)
     engine = build_engine(config)
     drain = Drain()

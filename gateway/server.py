@@ -15,19 +15,15 @@ from gateway.engine import GenerationEngine
 from gateway.replicas import ReplicaPool
 from gateway.servicer import GatewayServicer
 from services.config import GatewayConfig, redact_url
-from services.errors import InvalidArgument, Unavailable
+from services.errors import InvalidArgument, StartupError, Unavailable
 from services.model_info import load_tokenizer, vocab_hash
-from services.server import serve
+from services.server import check_listenable, check_server_ports, serve
 from services.session_store import SessionStore
 from services.telemetry import Telemetry, TelemetryConfig, setup
 from services.tls import channel_credentials
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-class StartupError(RuntimeError):
-    """The mesh cannot serve as configured; the message says what to fix."""
 
 
 async def _infos(pool: ReplicaPool, wait_s: float, replicas=None) -> dict[str, object]:
@@ -262,6 +258,9 @@ def _http_server(config: GatewayConfig, engine: GenerationEngine, auth: Authenti
 
 def run(config: GatewayConfig, telemetry_config: TelemetryConfig, wait_s: float = 120.0) -> None:
     without_torch()
+    # before waiting up to wait_s for the replicas: a taken port fails at once
+    check_server_ports(config.server)
+    check_listenable(config.server.host, config.http_port or 0, "--http-port")
     telemetry = setup(telemetry_config)
     asyncio.run(_main(config, telemetry, wait_s))
 

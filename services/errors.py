@@ -70,6 +70,12 @@ class DeadlineExceeded(SpecMeshError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class StartupError(RuntimeError):
+    """A service cannot start as configured (a port it must listen on is taken, a replica
+    or Redis it needs does not answer); the message says what to fix. The CLI prints it as
+    one line and exits 2."""
+
+
 class ResyncRequired(SpecMeshError):
     """A replica's session cache does not hold what the caller assumed."""
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -16,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from services.call_stream import Drain
 from services.config import ServerConfig
 from services.decode_guard import DecodeGuard
+from services.errors import StartupError
 from services.tls import server_credentials
 
 log = logging.getLogger(__name__)
@@ -58,18 +60,17 @@ async def serve(
         server,
     )
     if config.tls.enabled:
-        port = server.add_secure_port(config.address,
-                                      server_credentials(config.tls, require_client_cert))
+        port = _bound(lambda: server.add_secure_port(
+            config.address, server_credentials(config.tls, require_client_cert)),
+            config.address, "--port")
     else:
-        port = server.add_insecure_port(config.address)
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {config.address}")
+        port = _bound(lambda: server.add_insecure_port(config.address), config.address, "--port")
     probe = None
     if config.health_port:
         probe = grpc.aio.server(options=config.grpc_options)
         health_pb2_grpc.add_HealthServicer_to_server(health, probe)
-        if probe.add_insecure_port(f"{config.host}:{config.health_port}") == 0:
-            raise RuntimeError(f"cannot listen on {config.host}:{config.health_port}")
+        address = f"{config.host}:{config.health_port}"
+        _bound(lambda: probe.add_insecure_port(address), address, "--health-port")
         await probe.start()
     await server.start()
     for name in ["", *service_names]:
@@ -112,3 +113,46 @@ async def _orphaned(parent_pid: int, stop: asyncio.Event) -> None:
         await asyncio.sleep(PARENT_POLL_S)
     log.warning("parent process %d is gone: stopping", parent_pid)
     stop.set()
+
+
+def check_listenable(host: str, port: int, option: str) -> None:
+    """Raises StartupError when ``host:port`` cannot be listened on now (another process
+    holds it, or the host is not this machine's), naming ``option`` to change. A replica
+    checks its ports before it loads its model, so a taken port fails in a second instead
+    of after the load; the server's own bind still decides (the port can be taken
+    meanwhile). Port 0 (any free port) always passes."""
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                           "(check --host)") from exc
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # as a server binds: a port whose old connections linger in TIME_WAIT is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                               f"(pick another {option})") from exc
+
+
+def check_server_ports(config: ServerConfig) -> None:
+    """check_listenable for a service's gRPC port and its health port, if any."""
+    check_listenable(config.host, config.port, "--port")
+    check_listenable(config.host, config.health_port, "--health-port")
+
+
+def _bound(bind: Callable[[], int], address: str, option: str) -> int:
+    """The port ``bind`` (a grpc server's add_*_port) listens on; StartupError naming
+    ``option`` when it cannot (grpcio raises where older releases returned 0)."""
+    try:
+        port = bind()
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise StartupError(f"cannot listen on {address}: the port is taken or the host is not "
+                           f"this machine's (pick another {option})")
+    return port

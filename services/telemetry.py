@@ -30,6 +30,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
+from services.errors import StartupError
+
 VERSION = "0.1.0"
 _OTLP_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
               "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
@@ -100,7 +102,11 @@ def setup(config: TelemetryConfig) -> Telemetry:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import start_http_server
 
-        start_http_server(config.metrics_port)
+        try:
+            start_http_server(config.metrics_port)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on port {config.metrics_port}: "
+                               f"{exc.strerror or exc} (pick another --metrics-port)") from exc
         readers.append(PrometheusMetricReader())
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     trace.set_tracer_provider(tracer_provider)

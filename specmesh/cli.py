@@ -77,7 +77,13 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
         from drafter_svc.server import run
     else:
         from verifier_svc.server import run
-    run(config, telemetry)
+    from services.errors import StartupError
+
+    try:
+        run(config, telemetry)
+    except StartupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
 
 
 @app.command()
@@ -250,8 +256,9 @@ def gateway(
     parent_pid: ParentPid = 0,
 ) -> None:
     """Run the gateway: the public specmesh.v1.Gateway API and the round loop."""
-    from gateway.server import StartupError, run, without_torch
+    from gateway.server import run, without_torch
     from services.config import GatewayConfig, load_api_keys, parse_addresses
+    from services.errors import StartupError
 
     without_torch()  # before --model is checked: transformers would import torch
 

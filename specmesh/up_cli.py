@@ -135,6 +135,24 @@ def up(
     raise typer.Exit(code)
 
 
+def _check_ports(spec, gateway_args: list[str]) -> None:
+    """The ports the mesh's own processes must get (the gateway's, its HTTP port, the
+    Prometheus ports), checked before anything starts: a taken one fails in a second with
+    the option to change, not after the models load."""
+    from services.errors import StartupError
+    from services.server import check_listenable
+
+    http = gateway_args[gateway_args.index("--http-port") + 1] if (
+        "--http-port" in gateway_args) else "0"
+    wanted = [(spec.host, spec.port, "--port"), (spec.host, int(http), "--http-port"),
+              *(("0.0.0.0", port, "--metrics-port") for port in spec.metrics_ports().values())]
+    for host, port, option in wanted:
+        try:
+            check_listenable(host, port, option)
+        except StartupError as exc:
+            raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from exc
+
+
 def _signame(signum: int) -> str:
     import signal
 
@@ -167,6 +185,7 @@ def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, re
     if max(spec.metrics_ports().values()) > 65535:
         raise typer.BadParameter(f"{metrics_port} + {len(spec.metrics_ports()) - 1} services is "
                                  "past port 65535", param_hint="'--metrics-port'")
+    _check_ports(spec, gateway_args)
     signals.raising = False  # from here on processes exist: the start-up polls signals.event
     try:
         with console.status("starting the mesh"):

@@ -4,7 +4,9 @@ bytes that are not a request get INVALID_ARGUMENT on every service, help texts a
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +197,56 @@ def test_services_still_serve_after_garbage(mesh):
     with GatewayClient(mesh.gateway_address) as client:
         reply = client.generate(build_request("import os", max_new_tokens=2))
     assert reply.usage.completion_tokens >= 1
+
+
+@pytest.fixture
+def taken_port():
+    """A port another process (here: this one) listens on, as an operator's clash would be."""
+    with socket.create_server(("0.0.0.0", 0)) as held:
+        yield held.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, option", [
+    (["verifier", "--host", "127.0.0.1", "--port", "{port}"], "--port"),
+    (["verifier", "--port", "0", "--metrics-port", "{port}"], "--metrics-port"),
+    (["drafter", "--host", "127.0.0.1", "--port", "{port}"], "--port"),
+    (["verifier", "--port", "0", "--health-port", "{port}"], "--health-port"),
+    (["gateway", "--redis", "redis://127.0.0.1:1", "--verifiers", "127.0.0.1:1", "--host",
+      "127.0.0.1", "--port", "{port}"],
+     "--port"),
+    (["gateway", "--redis", "redis://127.0.0.1:1", "--verifiers", "127.0.0.1:1", "--port", "0",
+      "--http-port", "{port}"],
+     "--http-port"),
+    (["up", "--port", "{port}"], "--port"),
+    (["up", "--http-port", "{port}"], "--http-port"),
+    (["up", "--metrics-port", "{port}"], "--metrics-port"),
+])
+def test_a_taken_port_is_one_line_and_exit_code_2_before_anything_loads(
+        args, option, taken_port, tiny_pair):
+    """Before this, a verifier on a taken port loaded its model, then died with grpc's
+    traceback, and `specmesh up` printed that traceback from its log; a taken metrics port
+    was the same from prometheus_client. Now the port is checked first: one line naming the
+    port and the option to change, exit code 2, no model loaded and (up) nothing started."""
+    target, draft = tiny_pair
+    model = ["--model", draft if args[0] == "drafter" else target] if args[0] != "up" else [
+        "--target", target, "--draft", draft]
+    argv = [a.replace("{port}", str(taken_port)) for a in args] + model
+    result = subprocess.run([*SPECMESH, *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f":{taken_port}" in lines[0] or f"port {taken_port}" in lines[0], lines[0]
+    assert option in lines[0] and lines[0].startswith("error: "), lines[0]
+    assert "loaded" not in result.stderr and "SERVING" not in result.stderr
+
+
+def test_a_port_taken_after_the_check_still_fails_with_the_option_to_change(taken_port):
+    """The check before the model loads can race another process; the server's own bind
+    then says the same thing (grpcio raises where it used to return 0)."""
+    from services.config import ServerConfig
+    from services.errors import StartupError
+    from services.server import serve
+
+    config = ServerConfig(host="127.0.0.1", port=taken_port)
+    with pytest.raises(StartupError, match=f"127.0.0.1:{taken_port}.*--port"):
+        asyncio.run(serve(config, lambda server: None, []))

@@ -9,6 +9,7 @@ from services.config import ModelServiceConfig
 from services.convert import verify_call_from_pb, verify_result_to_pb
 from services.errors import grpc_errors
 from services.model_service import ModelServiceRpcs, build_metrics, build_parts, run_service
+from services.server import check_server_ports
 from services.telemetry import TelemetryConfig, setup
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.engine import VerifierEngine
@@ -70,6 +71,7 @@ def _reply(call_id, result, error) -> verifier_pb2.VerifyStreamResponse:
 
 
 def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
+    check_server_ports(config.server)  # before the model loads: a taken port fails at once
     telemetry = setup(telemetry_config)
     runner, caches = build_parts(config)
     engine = VerifierEngine(runner, caches, config.max_draft_tokens, config.prefill_chunk)
