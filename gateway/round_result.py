@@ -15,6 +15,7 @@ class SpecCache:
 
     base: int  # committed tokens when they were prepared
     branches: dict[tuple[int, ...], DraftResult]  # tokens committed after base -> drafts
+    width: int = 0  # the branches asked for (gateway/tree_width.py; 0: not a tree call)
 
     def lookup(self, tokens: list[int]) -> DraftResult | None:
         """The drafts prepared for exactly what was committed since ``base``, if any."""

@@ -48,6 +48,7 @@ from gateway.clients import ReplicaFailed
 from gateway.replicas import ReplicaPool
 from gateway.round_result import RoundResult, SpecCache
 from gateway.session_rounds import SessionRounds
+from gateway.tree_width import TreeWidth
 from services.config import GatewayConfig
 from services.errors import Busy, DeadlineExceeded, ResyncRequired, Unavailable
 from services.messages import (
@@ -123,6 +124,7 @@ class RoundRunner:
         self.verifiers = verifiers
         self._requests = requests
         self._index = index
+        self.width = TreeWidth(config.spec_fanout)  # the trees' fan-out, as fits the verify
 
     async def run(self, s: SessionRounds, plan: RoundPlan,
                   deadline: Callable[[], float | None]) -> RoundResult:
@@ -173,6 +175,8 @@ class RoundRunner:
         verified = time.perf_counter()
         spec, cached = await ahead if ahead is not None else (None, 0)
         end = time.perf_counter()
+        if spec is not None and spec.width:
+            self.width.observe(spec.width, (end - verified) * 1000.0)
         # Account: what the drafter holds past the old tokens (None: unknown to this round).
         tail = None
         if spec is not None:
@@ -234,16 +238,17 @@ class RoundRunner:
             waited_ms=(time.perf_counter() - start) * 1000, logprobs=result.logprobs)
 
     def _fanout(self, replica) -> int:
-        """Branches to ask for: the configured fan-out when the drafter serves no other call
-        for this gateway and the gateway runs at most --spec-max-requests requests, else
-        none. A tree runs alone on the drafter's model thread (its passes already hold many
-        tokens), so it holds back the batch of other sessions' draft calls, which are on
-        their rounds' critical paths; and where drafter and verifier share cores its CPU
-        slows the verifier's passes. Side by side on one 2-core mesh with step batching
+        """Branches to ask for: as many as end with the verify, up to --spec-fanout
+        (gateway/tree_width.py), when the drafter serves no other call for this gateway and
+        the gateway runs at most --spec-max-requests requests, else none. A tree runs
+        alone on the drafter's model thread (its passes already hold many tokens), so it
+        holds back the batch of other sessions' draft calls, which are on their rounds'
+        critical paths; and where drafter and verifier share cores its CPU slows the
+        verifier's passes. Side by side on one 2-core mesh with step batching
         (docs/performance.md), trees against none: 1 stream +37%, 2 equal, 4 to 16 streams
         5-9% slower."""
         busy = replica.inflight + replica.load.get("queue_depth", 0)
-        return fanout_share(self.config.spec_fanout, busy, self._requests(),
+        return fanout_share(self.width.branches(), busy, self._requests(),
                             self.config.spec_max_requests)
 
     async def _speculate(self, h: SessionHandle, params: SamplingParams, drafted: DraftResult,
@@ -272,7 +277,7 @@ class RoundRunner:
             return None, 0
         branches = {(*drafted.token_ids[: b.accepted], b.token): b.draft
                     for b in result.branches}
-        return SpecCache(base=len(h.tokens), branches=branches), result.cached_len
+        return SpecCache(base=len(h.tokens), branches=branches, width=fanout), result.cached_len
 
     def _timeout(self, deadline: Callable[[], float | None]) -> float:
         remaining = deadline()

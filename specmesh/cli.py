@@ -204,7 +204,9 @@ def gateway(
     spec_fanout: Annotated[int, typer.Option(
         envvar="SPECMESH_SPEC_FANOUT", min=1, max=64,
         help="Most branches (outcomes) the speculation cache drafts per round, while the "
-             "drafter serves no other call (none while it does).")] = 16,
+             "drafter serves no other call (none while it does). Within it, the gateway "
+             "keeps the tree as wide as ends by the time the round's verify does (at least "
+             "4).")] = 16,
     spec_max_requests: Annotated[int, typer.Option(
         envvar="SPECMESH_SPEC_MAX_REQUESTS", min=1,
         help="The speculation cache drafts only while the gateway runs at most this many "

@@ -85,7 +85,8 @@ def up(
              "computes the prompt beside it (default on).")] = None,
     spec_fanout: Annotated[int | None, typer.Option(
         min=1, max=64, help="Gateway: most branches the speculation cache drafts per "
-                            "round.")] = None,
+                            "round (default 16; fewer while a wider tree would end after "
+                            "the verify).")] = None,
     spec_max_requests: Annotated[int | None, typer.Option(
         min=1, help="Gateway: the speculation cache drafts only while the gateway runs at "
                     "most this many requests (default 1).")] = None,
