@@ -65,6 +65,8 @@ from services.session_store import Cursor, SessionHandle
 
 log = logging.getLogger(__name__)
 
+ADMIT_WAIT_S = 5.0  # a call waits this long for a replica being admitted when none is
+
 
 def round_seed(seed: int, round_index: int, role: str) -> int:
     digest = hashlib.blake2b(f"{seed}:{round_index}:{role}".encode(), digest_size=8).digest()
@@ -294,9 +296,13 @@ class RoundRunner:
         down and the next one tried from scratch. None when no replica could answer. A call
         cut short by the request's own deadline is the request's failure, not the replica's;
         a replica where the session stays busy (``clients.when_free``) is passed over, not
-        marked down, and Busy is raised when no other one answered."""
+        marked down, and Busy is raised when no other one answered. While no replica of the
+        pool is admitted and some are being admitted (a rollout that replaced them all), the
+        call waits up to ADMIT_WAIT_S for one (``ReplicaPool.admitted``)."""
         cursor: Cursor = h.verifier if role == "verifier" else h.drafter
         holder, valid = cursor.replica, cursor.length
+        left = deadline()
+        await pool.admitted(ADMIT_WAIT_S if left is None else max(0.0, min(ADMIT_WAIT_S, left)))
         tried: set[str] = set()
         busy: ReplicaFailed | None = None
         cached = await self._cached(pool, role, h, holder, kind)

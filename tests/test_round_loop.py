@@ -5,10 +5,12 @@ reproducible seeded sampling, and what a replica that lost its cache costs."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
+from gateway.replicas import Replica, ReplicaPool
 from gateway.rounds import fanout_share
 from services.batching import Row, StepJob
 from services.errors import Busy
@@ -311,3 +313,44 @@ def test_a_session_that_stays_busy_is_aborted_not_unavailable(monkeypatch):
     assert h.tokens[len(PROMPT):][:8] == greedy_chain(target, PROMPT, 8)
     assert all(r.drafted == () for r in rounds)  # no drafts while the drafter is busy
     assert harness.pools["drafter"].replicas["drafter"].up
+
+
+def test_a_round_waits_for_a_replica_being_admitted_when_none_is():
+    """A rollout that replaced every verifier at once: the new one takes no traffic until its
+    model check answers (gateway/server.py). A round waits for it instead of failing with
+    "no verifier replica could serve the request", which tests/test_gateway_discovery.py
+    met on a loaded machine when its only verifier was swapped."""
+    target, draft = tables(vocab=48, seed=4, noise=1.5)
+    harness = Harness(target, draft, pipeline=False)
+    replica = harness.pools["verifier"].replicas["verifier"]
+    replica.admitted = False
+
+    async def go():
+        async def admit():
+            await asyncio.sleep(0.3)
+            replica.admitted = True
+
+        admitting = asyncio.ensure_future(admit())
+        start = time.monotonic()
+        h, _ = await harness.generate(PROMPT, 5, GREEDY)
+        await admitting
+        return h, time.monotonic() - start
+
+    h, took = asyncio.run(go())
+    assert h.tokens[len(PROMPT):][:5] == greedy_chain(target, PROMPT, 5)
+    assert took >= 0.3
+
+
+def test_the_wait_for_admission_is_bounded_and_only_when_none_is_admitted():
+    pool = ReplicaPool("verifier", (), retry_s=1.0, channel_options=[])
+
+    def took(wait_s: float) -> float:
+        start = time.monotonic()
+        asyncio.run(pool.admitted(wait_s, poll_s=0.01))
+        return time.monotonic() - start
+
+    assert took(5.0) < 0.1  # no replica at all: nothing to wait for
+    pool.replicas["a"] = Replica("a", None, None, admitted=False)
+    assert 0.2 <= took(0.2) < 1.0  # none admitted, ever: gives up after wait_s
+    pool.replicas["b"] = Replica("b", None, None, admitted=True)
+    assert took(5.0) < 0.1  # one admitted: no wait
