@@ -201,7 +201,7 @@ class ReplicaPool:
         """Returns once a replica is admitted, or none is being admitted, or after ``wait_s``.
         A rollout that replaces every replica at once leaves none admitted until the new
         ones' model checks answer (gateway/server.py, moments on a quiet gateway, longer on
-        a loaded one): a call waits for that instead of failing UNAVAILABLE meanwhile."""
+        a loaded one): a verify waits for that instead of failing UNAVAILABLE meanwhile."""
         end = time.monotonic() + wait_s
         while (self.replicas and not any(r.admitted for r in self.replicas.values())
                and time.monotonic() < end):

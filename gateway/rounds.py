@@ -296,13 +296,16 @@ class RoundRunner:
         down and the next one tried from scratch. None when no replica could answer. A call
         cut short by the request's own deadline is the request's failure, not the replica's;
         a replica where the session stays busy (``clients.when_free``) is passed over, not
-        marked down, and Busy is raised when no other one answered. While no replica of the
-        pool is admitted and some are being admitted (a rollout that replaced them all), the
-        call waits up to ADMIT_WAIT_S for one (``ReplicaPool.admitted``)."""
+        marked down, and Busy is raised when no other one answered. While no verifier is
+        admitted and some are being admitted (a rollout that replaced them all), the call
+        waits up to ADMIT_WAIT_S for one (``ReplicaPool.admitted``); a round without a
+        drafter runs without drafts instead."""
         cursor: Cursor = h.verifier if role == "verifier" else h.drafter
         holder, valid = cursor.replica, cursor.length
-        left = deadline()
-        await pool.admitted(ADMIT_WAIT_S if left is None else max(0.0, min(ADMIT_WAIT_S, left)))
+        if role == "verifier":  # (without a drafter the round goes on without drafts)
+            left = deadline()
+            await pool.admitted(ADMIT_WAIT_S if left is None else
+                                max(0.0, min(ADMIT_WAIT_S, left)))
         tried: set[str] = set()
         busy: ReplicaFailed | None = None
         cached = await self._cached(pool, role, h, holder, kind)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gateway.replicas import Replica, ReplicaPool
-from gateway.rounds import fanout_share
+from gateway.rounds import ADMIT_WAIT_S, fanout_share
 from services.batching import Row, StepJob
 from services.errors import Busy
 from services.model_runner import ModelRunner
@@ -354,3 +354,16 @@ def test_the_wait_for_admission_is_bounded_and_only_when_none_is_admitted():
     assert 0.2 <= took(0.2) < 1.0  # none admitted, ever: gives up after wait_s
     pool.replicas["b"] = Replica("b", None, None, admitted=True)
     assert took(5.0) < 0.1  # one admitted: no wait
+
+
+def test_rounds_go_on_without_drafts_while_no_drafter_is_admitted():
+    """Without an admitted drafter a round runs without drafts at once (as when none is
+    reachable) rather than waiting for one: only the verifier is waited for."""
+    target, draft = tables(vocab=48, seed=5, noise=1.5)
+    harness = Harness(target, draft, pipeline=False)
+    harness.pools["drafter"].replicas["drafter"].admitted = False
+    start = time.monotonic()
+    h, rounds = _run(harness, 6)
+    assert time.monotonic() - start < ADMIT_WAIT_S
+    assert h.tokens[len(PROMPT):][:6] == greedy_chain(target, PROMPT, 6)
+    assert all(not r.drafted for r in rounds)
