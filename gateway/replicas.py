@@ -197,14 +197,18 @@ class ReplicaPool:
                 return max(near, key=lambda r: (cached[r.address], -_busy(r)))
         return min(candidates, key=lambda r: (_busy(r), r.load.get("sessions", 0), r.failures))
 
+    @property
+    def admitting(self) -> bool:
+        """Whether the pool has replicas and none of them is admitted yet."""
+        return bool(self.replicas) and not any(r.admitted for r in self.replicas.values())
+
     async def admitted(self, wait_s: float, poll_s: float = 0.05) -> None:
         """Returns once a replica is admitted, or none is being admitted, or after ``wait_s``.
         A rollout that replaces every replica at once leaves none admitted until the new
         ones' model checks answer (gateway/server.py, moments on a quiet gateway, longer on
         a loaded one): a verify waits for that instead of failing UNAVAILABLE meanwhile."""
         end = time.monotonic() + wait_s
-        while (self.replicas and not any(r.admitted for r in self.replicas.values())
-               and time.monotonic() < end):
+        while self.admitting and time.monotonic() < end:
             await asyncio.sleep(poll_s)
 
     def mark_down(self, replica: Replica) -> None:

@@ -302,7 +302,7 @@ class RoundRunner:
         drafter runs without drafts instead."""
         cursor: Cursor = h.verifier if role == "verifier" else h.drafter
         holder, valid = cursor.replica, cursor.length
-        if role == "verifier":  # (without a drafter the round goes on without drafts)
+        if role == "verifier" and pool.admitting:  # (no drafter: the round has no drafts)
             left = deadline()
             await pool.admitted(ADMIT_WAIT_S if left is None else
                                 max(0.0, min(ADMIT_WAIT_S, left)))

@@ -143,15 +143,21 @@ def _check_ports(spec, gateway_args: list[str]) -> None:
     from services.errors import StartupError
     from services.server import check_listenable
 
-    http = gateway_args[gateway_args.index("--http-port") + 1] if (
-        "--http-port" in gateway_args) else "0"
-    wanted = [(spec.host, spec.port, "--port"), (spec.host, int(http), "--http-port"),
+    wanted = [(spec.host, spec.port, "--port"),
+              (spec.host, int(_http_port(gateway_args) or 0), "--http-port"),
               *(("0.0.0.0", port, "--metrics-port") for port in spec.metrics_ports().values())]
     for host, port, option in wanted:
         try:
             check_listenable(host, port, option)
         except StartupError as exc:
             raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from exc
+
+
+def _http_port(gateway_args: list[str]) -> str:
+    """The gateway's --http-port among its arguments ("" when it has none)."""
+    if "--http-port" not in gateway_args:
+        return ""
+    return gateway_args[gateway_args.index("--http-port") + 1]
 
 
 def _signame(signum: int) -> str:
@@ -206,8 +212,7 @@ def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, re
         logs = f"logs: {log_dir}" if log_dir else "logs: a temporary folder, removed on exit"
         host = mesh.gateway_address.rpartition(":")[0]
         http = ""
-        if "--http-port" in gateway_args:
-            http_port = gateway_args[gateway_args.index("--http-port") + 1]
+        if http_port := _http_port(gateway_args):
             http = f"OpenAI-compatible HTTP API: [bold]http://{host}:{http_port}/v1[/]\n"
         console.print(f"SpecMesh is up. Gateway: [bold]{mesh.gateway_address}[/]  ({logs})\n"
                       f"{http}"
