@@ -426,3 +426,8 @@ def test_a_cycle_is_learned_net_of_the_cpu_time_the_host_stole_meanwhile():
     host[:] = [30, 200]  # nothing stolen in the next round: its wall time
     dl.learn_cycle(req, "model", 0.030)
     assert costs.cycle_ms[0] == pytest.approx(0.9 * 14.0 + 0.1 * 10.0)
+    dl._steal = None  # no steal clock (not a VM, or no /proc/stat): the wall time
+    req.rounds.last = (0.030, plain)
+    host[:] = [130, 300]  # (what it would have said: unread)
+    dl.learn_cycle(req, "model", 0.050)
+    assert costs.cycle_ms[0] == pytest.approx(0.9 * (0.9 * 14.0 + 0.1 * 10.0) + 0.1 * 20.0)
