@@ -11,14 +11,15 @@ What fits depends on the machine: a step of the tree is one drafter pass over it
 branches, which on an AVX2-only CPU costs about twice as much at 16 branches as at 4 while
 a verify of 4 tokens does not grow with it. There, fan-out 16 made each drafting round wait
 ~5 ms for the tree after its verify, and one stream ran 8-13% faster at fan-out 4 than at 16
-(docs/performance.md, 2026-11-27); on AVX-512 machines 16 branches fit.
+(docs/performance.md, 2026-11-27); on a Xeon with AVX-512 and AMX, 16 branches ran ~5% ahead
+of 4 (2026-11-25).
 
 The width follows what the rounds measure, additive increase and multiplicative decrease:
 a round that waited for its tree after the verify shrinks it, one whose tree was ready
 widens it by a fraction of a branch, up to ``--spec-fanout``. It never goes below ``floor``
-(4): a drafter pass over up to 4 rows costs what one over a single row does (the weights are
-read once either way; in process, trees of 1, 2 and 4 branches took 7-10 ms alike), so a
-narrower tree would end no sooner and only hit less often.
+(4): a drafter pass over up to 4 rows costs little more than one over a single row (2.1
+against 1.8 ms here: the weights are read once either way; in process, trees of 1, 2 and 4
+branches took 7-10 ms alike), so a narrower tree would end no sooner and only hit less often.
 """
 
 from __future__ import annotations
