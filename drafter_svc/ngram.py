@@ -47,6 +47,10 @@ class NgramDrafterEngine:
     def close(self) -> None:
         pass
 
+    async def release(self, session_id: str) -> bool:
+        """Frees the session's token list (Release)."""
+        return self.caches.release(session_id)
+
     async def draft(self, call: DraftCall) -> DraftResult:
         self.stats.calls += 1
         delta = call.cache

@@ -344,7 +344,8 @@ class GenerationEngine:
             with trace.use_span(round_span):
                 plan = RoundPlan(req.spec.params, k, kind, req.seed,
                                  acceptance=self.k.acceptance_of(kind).alpha(0.7),
-                                 logprobs=req.spec.logprobs, tokens=plain)
+                                 logprobs=req.spec.logprobs, tokens=plain,
+                                 ahead=0 if k else self._ahead_tokens(req, plain))
                 r = await self.rounds.run(req.rounds, plan, req.deadline)
         except BaseException:
             round_span.end()
@@ -362,6 +363,18 @@ class GenerationEngine:
             return 1
         return max(1, min(self.config.plain_tokens, req.spec.max_new_tokens - req.generated,
                           self.limits.max_context - len(req.handle.tokens)))
+
+    def _ahead_tokens(self, req: _Request, plain: int) -> int:
+        """The tokens a round without drafts asks the verifier to decode ahead: what the
+        next round asks for (``_plain_tokens``) once this round's ``plain`` are in; 0 where
+        none can follow (the request's budget or the context ends with this round) or with
+        --no-decode-ahead. A round that keeps fewer (a stop string) ends the request."""
+        if not self.config.decode_ahead:
+            return 0
+        seeded = req.spec.seed is not None and not req.spec.params.greedy
+        left = min(req.spec.max_new_tokens - req.generated,
+                   self.limits.max_context - len(req.handle.tokens)) - plain
+        return max(0, min(1 if seeded else self.config.plain_tokens, left))
 
     async def _save(self, req: _Request, added: int, final: bool) -> None:
         """Commits the round's ``added`` tokens and any an earlier round left pending. While

@@ -113,6 +113,7 @@ class RoundPlan:
     acceptance: float = 0.7  # the expected acceptance, which weighs the speculation tree
     logprobs: int = -1  # top log-probabilities per token (-1: none)
     tokens: int = 1  # what a round without drafts asks the verifier for
+    ahead: int = 0  # a round without drafts: the next one's tokens, to decode ahead (0: none)
 
 
 class RoundRunner:
@@ -161,7 +162,9 @@ class RoundRunner:
         mid = time.perf_counter()
         drafted = draft if draft is not None and draft.token_ids else None
         verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
-                              deadline, logprobs, 1 if drafted is not None else tokens)
+                              deadline, logprobs, 1 if drafted is not None else tokens,
+                              ahead=0 if drafted is not None else plan.ahead,
+                              ahead_seed=round_seed(seed, round_index + 1, "verify"))
         ahead = None
         if drafted is not None and self.config.pipeline and h.drafter.replica:
             valid = old if fresh else min(h.drafter.length, old)
@@ -383,7 +386,10 @@ class RoundRunner:
 
     async def _verify(self, h: SessionHandle, params: SamplingParams,
                       draft: DraftResult | None, seed: int, deadline,
-                      logprobs: int = -1, tokens: int = 1) -> VerifyResult:
+                      logprobs: int = -1, tokens: int = 1, ahead: int = 0,
+                      ahead_seed: int = 0) -> VerifyResult:
+        """``ahead``: without drafts, the next round's tokens, which the verifier decodes
+        once it answers (verifier_svc/decode_ahead.py), from ``ahead_seed``."""
         sparse = draft is not None and not params.greedy
 
         async def call(replica, base: int) -> VerifyResult:
@@ -391,7 +397,8 @@ class RoundRunner:
                 cache=_delta(h, base),
                 draft_ids=draft.token_ids if draft else (),
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
-                params=params, seed=seed, logprobs=logprobs, max_tokens=tokens),
+                params=params, seed=seed, logprobs=logprobs, max_tokens=tokens,
+                ahead=ahead if draft is None else 0, ahead_seed=ahead_seed),
                 self._timeout(deadline))
 
         result = await self._on_replica(h, self.verifiers, "verifier", call, deadline=deadline)

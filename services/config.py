@@ -235,6 +235,7 @@ class GatewayConfig:
     spec_max_requests: int = 1  # trees only while the gateway runs at most this many requests
     step_batching: bool = True  # Draft/Verify calls made meanwhile go as one RPC per step
     plain_tokens: int = 8  # a round without drafts asks the verifier for up to this many tokens
+    decode_ahead: bool = True  # the verifier starts a plain round's next one once it answers
     prefix_affinity: int = 4  # a new session goes to the replica caching most of its prompt
     #                           while it runs at most this many more requests than the least
     #                           busy one (-1: routing by load alone)

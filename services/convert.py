@@ -114,7 +114,8 @@ def verify_call_to_pb(c: VerifyCall) -> verifier_pb2.VerifyRequest:
                                       warp=warp_to_pb(c.params, c.seed),
                                       logprobs=c.logprobs >= 0,
                                       top_logprobs=max(0, c.logprobs),
-                                      max_tokens=c.max_tokens if c.max_tokens > 1 else 0)
+                                      max_tokens=c.max_tokens if c.max_tokens > 1 else 0,
+                                      ahead=c.ahead, ahead_seed=c.ahead_seed)
 
 
 def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
@@ -124,7 +125,7 @@ def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
                       q_probs=tuple(tuple(d.probs) for d in m.draft_dists),
                       params=params, seed=seed,
                       logprobs=m.top_logprobs if m.logprobs else -1,
-                      max_tokens=max(1, m.max_tokens))
+                      max_tokens=max(1, m.max_tokens), ahead=m.ahead, ahead_seed=m.ahead_seed)
 
 
 def verify_result_to_pb(r: VerifyResult) -> verifier_pb2.VerifyResponse:
@@ -166,6 +167,7 @@ def stats_to_pb(s: ReplicaStats, caches, queue_depth: int) -> common_pb2.Replica
         evictions=caches.evictions, queue_depth=queue_depth, kv_tokens=caches.total_tokens(),
         kv_token_budget=caches.max_tokens or 0, forward_ms=s.forward_ms,
         forward_passes=s.forward_passes, batched_calls=s.batched_calls,
+        ahead_started=s.ahead_started, ahead_taken=s.ahead_taken,
         **_prefix_stats(caches.prefix))
 
 

@@ -107,6 +107,8 @@ class VerifyCall:
     seed: int
     logprobs: int = -1  # -1: none; n >= 0: each returned token's logprob and the top n
     max_tokens: int = 1  # without drafts: tokens to decode at most, one pass each
+    ahead: int = 0  # without drafts: the next round's tokens to decode once answered (0: none)
+    ahead_seed: int = 0  # the next round's seed (verifier_svc/decode_ahead.py)
 
 
 @dataclass(frozen=True)
@@ -132,3 +134,5 @@ class ReplicaStats:
     forward_ms: float = 0.0  # model compute, summed over forward passes
     forward_passes: int = 0  # one per (batched) forward pass
     batched_calls: int = 0  # calls that shared their pass with another call
+    ahead_started: int = 0  # verifier: decode-ahead runs started
+    ahead_taken: int = 0  # verifier: of them, the ones a call took over

@@ -295,27 +295,44 @@ class ModelEngine:
             raise outcome
         return outcome
 
+    async def release(self, session_id: str) -> bool:
+        """Frees the session's cache (Release); False when none is held at rest."""
+        return self.caches.release(session_id)
+
     async def run_many(self, calls: Sequence[Any],
                        begin: Callable[[Any], tuple[AbstractContextManager, Any]],
-                       finish: Callable[[Any, Any, tuple[Any, float, int]], Any]) -> list:
+                       finish: Callable[[Any, Any, tuple[Any, float, int]], Any],
+                       adopt: Callable[[Any], tuple[AbstractContextManager, Any,
+                                                    asyncio.Future] | None] | None = None
+                       ) -> list:
         """Each call's result, or the error it alone fails with. ``begin(call)`` validates it
         and checks out its session: (the checkout, its job), or raises. The jobs of the calls
         that began are queued together (ModelRunner.submit_many: they share the next step),
         with no task per call; once a job is done its checkout is exited and
         ``finish(call, job, (its result, compute ms, batch))`` makes the call's result. A job
         that failed exits its checkout with the error (the session's cache is dropped); so
-        does every job when the caller is cancelled."""
+        does every job when the caller is cancelled. ``adopt(call)``: the checkout, job and
+        future of a job already submitted that serves the call (a verifier's decode-ahead),
+        or None to begin one."""
         outcomes: list = [None] * len(calls)
         started: list[tuple[int, AbstractContextManager, Any]] = []
+        adopted: dict[int, asyncio.Future] = {}  # index in started -> its running job's future
         for i, call in enumerate(calls):
             self.stats.calls += 1
             try:
-                started.append((i, *begin(call)))
+                taken = adopt(call) if adopt is not None else None
+                if taken is not None:
+                    adopted[len(started)] = taken[2]
+                    started.append((i, taken[0], taken[1]))
+                else:
+                    started.append((i, *begin(call)))
             except Exception as exc:  # noqa: BLE001 - this call's own answer
                 outcomes[i] = exc
+        fresh = iter(self.runner.submit_many(
+            [job for n, (_, _, job) in enumerate(started) if n not in adopted]))
+        futures = [adopted[n] if n in adopted else next(fresh) for n in range(len(started))]
         try:
-            answers = await asyncio.gather(*self.runner.submit_many([j for _, _, j in started]),
-                                           return_exceptions=True)
+            answers = await asyncio.gather(*futures, return_exceptions=True)
         except BaseException as exc:  # cancelled: each checkout drops its half-written cache
             for _, checkout, _ in started:
                 checkout.__exit__(type(exc), exc, exc.__traceback__)

@@ -153,7 +153,7 @@ class ModelServiceRpcs:
     async def Release(self, request, context):
         if not request.session_id:
             raise InvalidArgument("session_id is required")
-        return common_pb2.ReleaseResponse(released=self.engine.caches.release(request.session_id))
+        return common_pb2.ReleaseResponse(released=await self.engine.release(request.session_id))
 
     @grpc_errors
     async def GetModelInfo(self, request, context):

@@ -201,6 +201,12 @@ def gateway(
              "verifier for up to this many tokens, decoded one forward pass each without a "
              "call between them; its chunk carries them all. A request's first round "
              "decodes one (its time to the first token). 1: a call per token.")] = 8,
+    decode_ahead: Annotated[bool, typer.Option(
+        "--decode-ahead/--no-decode-ahead", envvar="SPECMESH_DECODE_AHEAD",
+        help="A round without drafts asks the verifier to start the session's next such "
+             "round as soon as it answers, so that the target decodes while the gateway "
+             "streams and commits the round; the next call takes those tokens over (any "
+             "other call stops them). Outputs do not change.")] = True,
     spec_fanout: Annotated[int, typer.Option(
         envvar="SPECMESH_SPEC_FANOUT", min=1, max=64,
         help="Most branches (outcomes) the speculation cache drafts per round, while the "
@@ -284,7 +290,7 @@ def gateway(
             max_support=max_support,
             default_drafter_kind=default_drafter_kind, pipeline=pipeline, spec_fanout=spec_fanout,
             step_batching=step_batching, spec_max_requests=spec_max_requests,
-            plain_tokens=plain_tokens,
+            plain_tokens=plain_tokens, decode_ahead=decode_ahead,
             lead_round=lead_round,
             prefix_affinity=prefix_affinity, discovery=discovery,
             namespace=namespace, drafter_service=drafter_service,

@@ -97,6 +97,10 @@ def up(
     plain_tokens: Annotated[int | None, typer.Option(
         min=1, max=64, help="Gateway: tokens a round without drafts asks the verifier for "
                             "(default 8; 1: a call per token).")] = None,
+    decode_ahead: Annotated[bool | None, typer.Option(
+        "--decode-ahead/--no-decode-ahead",
+        help="Gateway: the verifier starts a round without drafts' next one as soon as it "
+             "answers (default on).")] = None,
     default_drafter_kind: Annotated[str | None, typer.Option(
         help="Gateway: drafter kind for requests that name none (model or ngram).")] = None,
     default_max_new_tokens: Annotated[int | None, typer.Option(
@@ -124,7 +128,7 @@ def up(
                            spec_fallback=spec_fallback, lead_round=lead_round,
                            pipeline=pipeline, spec_fanout=spec_fanout,
                            spec_max_requests=spec_max_requests, step_batching=step_batching,
-                           plain_tokens=plain_tokens,
+                           plain_tokens=plain_tokens, decode_ahead=decode_ahead,
                            default_drafter_kind=default_drafter_kind,
                            default_max_new_tokens=default_max_new_tokens,
                            max_new_tokens_cap=max_new_tokens_cap, max_inflight=max_inflight,

@@ -10,11 +10,15 @@ A call without drafts may ask for up to ``max_tokens`` (a plain round: the gatew
 each next token from the one before, one pass each, until it has them or one is an
 end-of-sequence token. The tokens are those one-token calls would return, one after
 another; what the calls between them cost (a round trip, the gateway's accounting of the
-round, the verifier's handling of a call) is paid once for all of them.
+round, the verifier's handling of a call) is paid once for all of them. Such a call may
+also ask for the next such round to start as soon as it is answered
+(verifier_svc/decode_ahead.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
@@ -25,6 +29,7 @@ from services.errors import InvalidArgument
 from services.kv_cache import SessionCache
 from services.messages import (
     MAX_TOP_LOGPROBS,
+    CacheDelta,
     TokenLogprobs,
     VerifyCall,
     VerifyResult,
@@ -38,6 +43,9 @@ from services.sampling import (
     validate_draft,
     warp_logits,
 )
+from verifier_svc.decode_ahead import Ahead, DecodeAhead
+
+log = logging.getLogger(__name__)
 
 # A greedy call without drafts (target-only): nothing to build per call. Read-only.
 _NO_DRAFT = SparseDraft(token_ids=torch.empty(0, dtype=torch.long),
@@ -46,6 +54,10 @@ MAX_TOKENS = 64  # the most tokens a call without drafts may ask for (VerifyRequ
 
 
 class VerifierEngine(ModelEngine):
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ahead = DecodeAhead(self.stats)
 
     def _sparse_draft(self, call: VerifyCall) -> SparseDraft:
         k = len(call.draft_ids)
@@ -81,23 +93,60 @@ class VerifierEngine(ModelEngine):
         return draft
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
-        return await self.run_one(call, self._begin, self._finish)
+        outcome, = await self.verify_many([call])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     async def verify_many(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
         """Each call's result, or the error it alone fails with (a bad request, a stale
         prefix, a second call for one session, a full queue); the calls that pass
-        validation share the model's next pass (ModelEngine.run_many)."""
-        return await self.run_many(calls, self._begin, self._finish)
+        validation share the model's next pass (ModelEngine.run_many). A call that asks for
+        its session's decode-ahead job takes it over; other calls stop it first."""
+        await self.ahead.settle(calls)
+        return await self.run_many(calls, self._begin, self._finish, self.ahead.take)
+
+    async def release(self, session_id: str) -> bool:
+        await self.ahead.drop(session_id)
+        return self.caches.release(session_id)
 
     def _finish(self, call: VerifyCall, job: _VerifyJob, answer) -> VerifyResult:
         (accepted, extra), ms, batch = answer
         self.stats.fed_tokens += job.feeds + len(job.more)
         self.stats.draft_tokens += len(call.draft_ids)
         self.stats.accepted_tokens += accepted
+        if call.ahead and not call.draft_ids:
+            self._decode_ahead(call, job)
         return VerifyResult(num_accepted=accepted, extra_token=extra,
                             cached_len=len(job.entry.tokens), cache_hit=call.cache.base_len > 0,
                             compute_ms=ms, batch_size=batch, logprobs=job.logprobs,
                             more=tuple(job.more))
+
+    def _decode_ahead(self, call: VerifyCall, job: _VerifyJob) -> None:
+        """Starts the session's next plain round, the call ``call.ahead`` names (from the
+        last token ``job`` returned), unless that token ends the sequence or the round
+        cannot start (the context is full, the queue is)."""
+        last = job.last
+        if last in self.runner.meta.eos_token_ids:
+            return
+        entry = job.entry
+        base = len(entry.tokens)
+        nxt = dataclasses.replace(
+            call, cache=CacheDelta(session_id=call.cache.session_id, base_len=base,
+                                   base_hash=entry.hasher.hash(entry.tokens, base),
+                                   new_tokens=(last,)),
+            seed=call.ahead_seed, max_tokens=min(call.ahead, MAX_TOKENS), ahead=0, ahead_seed=0)
+        try:
+            checkout, ahead_job = self._begin(nxt)
+        except Exception as exc:  # noqa: BLE001 - optional work: the next call runs as usual
+            log.debug("no decode-ahead for session %s: %s", call.cache.session_id, exc)
+            return
+        future = self.runner.submit_many([ahead_job])[0]
+        if future.done():  # refused (a full queue): the next call runs as usual
+            checkout.__exit__(None, None, None)
+            future.exception()
+            return
+        self.ahead.add(Ahead(nxt, checkout, ahead_job, future))
 
     def _begin(self, call: VerifyCall) -> tuple[AbstractContextManager, _VerifyJob]:
         """Validates ``call`` and checks out its session's cache (ModelEngine.run_many)."""
@@ -139,21 +188,47 @@ class _VerifyJob(FeedJob):
         self._result: tuple[int, int] | None = None
         self.more: list[int] = []  # tokens decoded after the extra token
         self.logprobs: tuple[TokenLogprobs, ...] = ()
+        self.limit = call.max_tokens  # tokens to return (a decode-ahead's taker may ask fewer)
+        self._stopped = False
 
     @property
     def done(self) -> bool:
+        if self._stopped:
+            return True
         if self._result is None:
             return False
-        return 1 + len(self.more) >= self.call.max_tokens or self._last in self._eos
+        return 1 + len(self.more) >= self.limit or self.last in self._eos
 
     @property
-    def _last(self) -> int:
+    def last(self) -> int:
         """The last token decoded (once the first pass is done)."""
         return self.more[-1] if self.more else self._result[1]
 
+    def stop(self) -> None:
+        """Ends the job at its next pass (a decode-ahead no call takes: its tokens stay
+        uncommitted in the cache, which the session's next call crops)."""
+        self._stopped = True
+
+    def limit_to(self, tokens: int) -> None:
+        """Returns at most ``tokens`` tokens (a decode-ahead taken by a call that asks for
+        fewer): a running job ends there; one that went further is trimmed by ``trim``."""
+        self.limit = min(self.limit, tokens)
+
+    def trim(self) -> None:
+        """Drops the tokens decoded past ``limit`` and the cache positions they were fed on.
+        Only while the job is off the model thread (its future settled, or settling), its
+        checkout still held."""
+        drop = 1 + len(self.more) - self.limit if self._result is not None else 0
+        if drop <= 0:
+            return
+        del self.more[len(self.more) - drop:]
+        self.entry.crop(len(self.entry.tokens) - drop)
+        if self.logprobs:
+            self.logprobs = self.logprobs[: self._result[0] + self.limit]
+
     def row(self) -> Row:
         if self._result is not None:  # the next token, from the last one
-            return self.row_of([self._last], keep=1)
+            return self.row_of([self.last], keep=1)
         k = len(self.call.draft_ids)
         return self.row_of(self.pending + list(self.call.draft_ids), keep=k + 1)
 
@@ -177,7 +252,7 @@ class _VerifyJob(FeedJob):
                                       [*self.call.draft_ids[:accepted], extra], self.call.logprobs)
 
     def _next(self, logits: torch.Tensor) -> None:  # logits [1, V] of the token just fed
-        self.entry.tokens.append(self._last)  # the token this pass fed
+        self.entry.tokens.append(self.last)  # the token this pass fed
         if self.call.params.greedy:
             _, token = accept_greedy(_NO_DRAFT.token_ids, logits)
         else:
@@ -187,7 +262,9 @@ class _VerifyJob(FeedJob):
         if self.call.logprobs >= 0:
             self.logprobs += _logprobs(logits, [token], self.call.logprobs)
 
-    def result(self) -> tuple[int, int]:
+    def result(self) -> tuple[int, int] | None:
+        """(accepted, extra token); None for a decode-ahead stopped before its first pass."""
+        self.trim()  # (a decode-ahead's taker asked for fewer while it ran)
         return self._result
 
 

@@ -81,7 +81,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("sessions", "calls", "fresh_prefills", "resyncs_requested", "fed_tokens", "draft_tokens", "accepted_tokens", "evictions", "queue_depth", "kv_tokens", "kv_token_budget", "forward_ms", "forward_passes", "batched_calls", "prefix_lookups", "prefix_hits", "prefix_lookup_tokens", "prefix_hit_tokens", "prefix_blocks", "prefix_block_budget", "prefix_evicted_blocks", "prefix_block_size")
+    __slots__ = ("sessions", "calls", "fresh_prefills", "resyncs_requested", "fed_tokens", "draft_tokens", "accepted_tokens", "evictions", "queue_depth", "kv_tokens", "kv_token_budget", "forward_ms", "forward_passes", "batched_calls", "prefix_lookups", "prefix_hits", "prefix_lookup_tokens", "prefix_hit_tokens", "prefix_blocks", "prefix_block_budget", "prefix_evicted_blocks", "prefix_block_size", "ahead_started", "ahead_taken")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     FRESH_PREFILLS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class ReplicaStats(_message.Message):
     PREFIX_BLOCK_BUDGET_FIELD_NUMBER: _ClassVar[int]
     PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_STARTED_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_TAKEN_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     calls: int
     fresh_prefills: int
@@ -126,7 +128,9 @@ class ReplicaStats(_message.Message):
     prefix_block_budget: int
     prefix_evicted_blocks: int
     prefix_block_size: int
-    def __init__(self, sessions: _Optional[int] = ..., calls: _Optional[int] = ..., fresh_prefills: _Optional[int] = ..., resyncs_requested: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_token_budget: _Optional[int] = ..., forward_ms: _Optional[float] = ..., forward_passes: _Optional[int] = ..., batched_calls: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_lookup_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., prefix_block_budget: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_block_size: _Optional[int] = ...) -> None: ...
+    ahead_started: int
+    ahead_taken: int
+    def __init__(self, sessions: _Optional[int] = ..., calls: _Optional[int] = ..., fresh_prefills: _Optional[int] = ..., resyncs_requested: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_token_budget: _Optional[int] = ..., forward_ms: _Optional[float] = ..., forward_passes: _Optional[int] = ..., batched_calls: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_lookup_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., prefix_block_budget: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., prefix_block_size: _Optional[int] = ..., ahead_started: _Optional[int] = ..., ahead_taken: _Optional[int] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("code", "message", "resync")
