@@ -133,9 +133,11 @@ class DraftLength:
             self.acceptance_of(kind).observe(k, r.num_accepted)
         else:
             req.rounds.adaptive.observe(k, r.num_accepted)
-            log.debug("session %s: k=%d accepted=%d pipeline=%s alpha=%.2f costs=%s",
-                      req.handle.session_id, k, r.num_accepted, r.pipeline or "-",
-                      req.rounds.adaptive.alpha, self._costs(kind, req))
+            log.debug("session %s: k=%d tokens=%d accepted=%d pipeline=%s waited=%.2fms "
+                      "verify=%.2fms draft=%.2fms alpha=%.2f costs=%s", req.handle.session_id,
+                      k, len(r.proposed), r.num_accepted, r.pipeline or "-", r.waited_ms,
+                      r.verify_ms, r.draft_ms, req.rounds.adaptive.alpha,
+                      self._costs(kind, req))
 
     def _costs(self, kind: str, req) -> CostModel:
         """The cost model of ``kind`` at the gateway's current load and the request's
