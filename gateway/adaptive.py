@@ -190,11 +190,14 @@ class AdaptiveK:
     #                       drafts, then after twice, 4 and 8 times as many while k = 0 keeps
     #                       winning (a probe that does not pay costs a few rounds' worth),
     #                       and with rounds of n plain tokens (``next_k(plain=n)``) on up to
-    #                       n times that, so that the cap stays at 64 rounds; counted over
+    #                       n times that, so that the cap stays at 64 rounds; a probe that
+    #                       drafting loses by r >= 2 (``_loss_bits``) backs off log2(r) times
+    #                       more, and raises the cap as much; counted over
     #                       the requests that share ``costs`` (CostModel.since_draft);
     #                       while k > 0 wins, try k − 1, k + 1, k − 1 and k = 0 in turn every
     #                       this many rounds
     max_backoff: int = 3
+    max_loss_bits: int = 3  # the most a loss adds to a back-off step and to its cap (8x)
     probe_rounds: int = 3  # a probe from k = 0 drafts this many rounds in a row: the first
     #                        pays the drafter's catch-up on the undrafted rounds and is not
     #                        measured (gateway/draft_length.py counts only warm rounds), the
@@ -239,8 +242,9 @@ class AdaptiveK:
                     # keep α and the drafting cycle fresh: acceptance and costs may have changed
                     k = self.only or 1
                     self._burst = self.probe_rounds - 1
-                    top = self.max_backoff + plain.bit_length() - 1
-                    costs.probe_backoff = min(top, costs.probe_backoff + 1)
+                    loss = self._loss_bits()
+                    top = self.max_backoff + plain.bit_length() - 1 + loss
+                    costs.probe_backoff = min(top, costs.probe_backoff + 1 + loss)
             else:
                 costs.probe_backoff = 0
                 if self._rounds % self.probe_every == self.probe_every - 1:
@@ -257,6 +261,20 @@ class AdaptiveK:
         self._rounds += 1
         self.costs.since_draft = 0 if k else self.costs.since_draft + plain
         return k
+
+    def _loss_bits(self) -> int:
+        """log2 of how many times more tokens a millisecond gives without drafts than with
+        the best k the probes may draft, floored, from 0 (drafting loses by less than 2x)
+        to ``max_loss_bits``. A probe costs its rounds' loss, so one that loses by r is worth
+        r times fewer: on an H200, where the demo drafter on the CPU is slower than a
+        replayed verify, drafting rounds cost 2.8 ms a token against 0.58 without, and
+        probes at 8, 16, ... 512 tokens cost the defaults ~10% of a 2,048-token cell
+        (docs/performance.md)."""
+        plain = self.costs.round_ms(0)  # a token's (a plain round's share)
+        ks = (self.only,) if self.only else range(1, self.k_max + 1)
+        best = max(expected_tokens(self.alpha, k) / self.costs.round_ms(k) for k in ks)
+        ratio = 1.0 / (plain * best) if plain > 0 and best > 0 else 1.0
+        return min(self.max_loss_bits, max(0, int(ratio).bit_length() - 1))
 
     def observe(self, k: int, accepted: int) -> None:
         """Acceptance of one round: accepted of k drafts (stops at the first rejection)."""

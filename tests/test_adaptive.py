@@ -260,12 +260,43 @@ def test_probes_count_the_tokens_of_plain_rounds():
         ctl.observe(3, 0)  # an unlucky start
         assert ctl.alpha < 0.6
         assert [ctl.next_k(plain) for _ in range(len(expect))] == expect
-    # a drafter that never pays: probes back off to one in 64 rounds of 8 tokens, not 8
-    model.since_draft = model.probe_backoff = 0
+
+
+def _probe_gaps(drafting_ms: float, rounds: int = 400) -> list[int]:
+    """Rounds between the starts of the probes of a drafter that never pays (accepted at
+    0.02; 3 drafts cost ``drafting_ms`` a round against 7.5 ms a token in plain rounds of 8)."""
+    model = costs(draft=1.0, base=7.0, per_draft=1.0, rtt=0.5)
+    for _ in range(10):
+        model.observe_cycle(0, 7.5)
+        model.observe_cycle(3, drafting_ms)
     ctl = AdaptiveK(model, k_max=3, only=3, prior_alpha=0.7)
-    ks = _simulate(ctl, model, 0.02, lambda k: 16.2 if k else 7.5, 400, random.Random(5),
-                   catch_up=True, plain=8)
+    ks = _simulate(ctl, model, 0.02, lambda k: drafting_ms if k else 7.5, rounds,
+                   random.Random(5), catch_up=True, plain=8)
     starts = [i for i, k in enumerate(ks) if k and i and not ks[i - 1]]
-    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+
+def test_probes_of_a_drafter_that_loses_by_less_than_twice_back_off_by_doubling():
+    """1.02 tokens in 12 ms against 1 in 7.5 (1.6x): the interval doubles per probe, up to
+    64 rounds of 8 tokens (3 drafting rounds each)."""
+    gaps = _probe_gaps(12.0)
     assert gaps[:5] == [2 + 3, 4 + 3, 8 + 3, 16 + 3, 32 + 3], gaps  # plain rounds + a probe
     assert set(gaps[5:]) == {64 + 3}, gaps
+
+
+@pytest.mark.parametrize(("drafting_ms", "cap"), [(40.0, 256), (80.0, 512)])
+def test_probes_of_a_drafter_that_loses_by_far_back_off_as_far(drafting_ms, cap):
+    """Drafting that loses by r >= 2 (1.02 tokens in 40 ms against 1 in 7.5: 5.2x; in
+    80 ms: 10.5x) backs off at least twice as fast as the doubling (at least x4 a probe
+    until the cap, once the probes have measured α: at first the request's prior, 0.7,
+    makes drafting look better than it is), and the cap is log2(r) doublings higher:
+    64 << 2 and 64 << 3 rounds. On an H200 the demo drafter lost by 4.7x, and probing it
+    on the doubling schedule cost the defaults ~10% of a 2,048-token cell
+    (docs/performance.md)."""
+    gaps = [g - 3 for g in _probe_gaps(drafting_ms, rounds=1500)]  # plain rounds between
+    rising = gaps[:gaps.index(cap)]
+    # (the first step is a doubling or more: the prior α may hide the loss at first)
+    assert all(b >= 4 * a for a, b in zip(rising[1:], rising[2:], strict=False)), gaps
+    assert gaps[-2:] == [cap] * 2, gaps
+    doubling = _probe_gaps(12.0, rounds=1500)
+    assert len(gaps) <= len(doubling) // 2, (gaps, doubling)
