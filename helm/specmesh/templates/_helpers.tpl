@@ -163,6 +163,8 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.stepBatching | quote }}
 - name: SPECMESH_PLAIN_TOKENS
   value: {{ $c.plainTokens | quote }}
+- name: SPECMESH_DECODE_AHEAD
+  value: {{ $c.decodeAhead | quote }}
 - name: SPECMESH_PREFIX_AFFINITY
   value: {{ $c.prefixAffinity | quote }}
 - name: SPECMESH_MAX_SUPPORT
