@@ -33,7 +33,7 @@ from gateway.session_rounds import SessionRounds
 from gateway.step_batch import StepBatcher, steps_sent
 from gateway.telemetry import RequestTelemetry
 from gateway.turn_text import TurnText
-from gateway.turns import TurnRecord, resumed_spec
+from gateway.turns import TurnRecord, resume_chunk, resumed_spec, turn_to_resume
 from services import steal
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, Overloaded, PermissionDenied, Unavailable
@@ -162,7 +162,8 @@ class GenerationEngine:
             await self.store.acquire(spec.session_id, owner)
             try:
                 if spec.resume_from:
-                    turn = self._turn_to_resume(handle, spec)
+                    turn = turn_to_resume(handle.session_id, handle.turn, len(handle.tokens),
+                                          spec.resume_from)
                     return self._resumed_request(resumed_spec(spec, turn), handle, owner, turn,
                                                  deadline)
                 prompt = await self._tokenize(spec, continuing=True)
@@ -190,19 +191,6 @@ class GenerationEngine:
                        deadline=deadline, turn=turn)
         req.usage.prompt_tokens = len(prompt)
         return req
-
-    @staticmethod
-    def _turn_to_resume(h: SessionHandle, spec: GenerationSpec) -> TurnRecord:
-        if not h.turn:
-            raise InvalidArgument(f"session {h.session_id!r} has no recorded turn to resume: "
-                                  "send a prompt to start one", field="resume_from")
-        turn = TurnRecord.from_dict(h.turn)
-        if not turn.start <= spec.resume_from <= len(h.tokens):
-            raise InvalidArgument(
-                f"resume_from {spec.resume_from} is outside the turn being resumed: it must lie "
-                f"in {turn.start}..{len(h.tokens)} (from the turn's first generated token to "
-                f"past the session's {len(h.tokens)} committed tokens)", field="resume_from")
-        return turn
 
     @staticmethod
     def _resumed_request(spec: GenerationSpec, h: SessionHandle, owner: str, turn: TurnRecord,
@@ -257,18 +245,6 @@ class GenerationEngine:
 
     # ----- rounds ------------------------------------------------------------------------
 
-    @staticmethod
-    def _resume_chunk(req: _Request, text: TurnText) -> Chunk:
-        """The tokens a cut stream's client has not received (committed from resume_from on)
-        and their text, replayed through the turn's detokenizer and stop matcher so that the
-        text equals the uninterrupted stream's (a suffix held back before the cut included);
-        the last chunk (finish, usage) when the turn had already ended."""
-        h, start, turn = req.handle, req.spec.resume_from, req.turn
-        shown, finish = text.replay(h.tokens[turn.start:start], h.tokens[start:],
-                                    Finish[turn.finish] if turn.finish else None)
-        return Chunk(text=shown, token_ids=h.tokens[start:], session_id=h.session_id,
-                     offset=start, finish=finish, usage=req.usage if finish else None)
-
     async def _stream(self, req: _Request, span: trace.Span) -> AsyncIterator[Chunk]:
         spec, h = req.spec, req.handle
         text = TurnText(self.tokenizer, h.tokens[:req.turn.start], spec.stop,
@@ -276,7 +252,8 @@ class GenerationEngine:
         kind = self.k.kind(spec)
         finish: Finish | None = None
         if spec.resume_from:
-            chunk = self._resume_chunk(req, text)
+            chunk = resume_chunk(h.session_id, h.tokens, req.turn, spec.resume_from, text,
+                                 req.usage)
             yield chunk
             if chunk.finish is not None:
                 return

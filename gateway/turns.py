@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from gateway.chunks import Chunk, Finish, Usage
 from gateway.requests import GRPC, GenerationSpec
+from gateway.turn_text import TurnText
 from services.errors import InvalidArgument
 from services.params import SamplingParams
 
@@ -91,3 +93,31 @@ def resumed_spec(spec: GenerationSpec, turn: TurnRecord) -> GenerationSpec:
         max_new_tokens=turn.max_new_tokens, stop=turn.stop,
         seed=turn.seed if turn.seeded else None, num_draft_tokens=turn.num_draft_tokens,
         speculate=turn.speculate, drafter_kind=turn.drafter_kind)
+
+
+def turn_to_resume(session_id: str, recorded: dict, committed: int,
+                   resume_from: int) -> TurnRecord:
+    """The turn a resume continues (the session's recorded turn, ``committed`` tokens long),
+    or INVALID_ARGUMENT when there is none or ``resume_from`` lies outside it."""
+    if not recorded:
+        raise InvalidArgument(f"session {session_id!r} has no recorded turn to resume: "
+                              "send a prompt to start one", field="resume_from")
+    turn = TurnRecord.from_dict(recorded)
+    if not turn.start <= resume_from <= committed:
+        raise InvalidArgument(
+            f"resume_from {resume_from} is outside the turn being resumed: it must lie "
+            f"in {turn.start}..{committed} (from the turn's first generated token to "
+            f"past the session's {committed} committed tokens)", field="resume_from")
+    return turn
+
+
+def resume_chunk(session_id: str, tokens: list[int], turn: TurnRecord, start: int,
+                 text: TurnText, usage: Usage) -> Chunk:
+    """The tokens a cut stream's client has not received (committed from ``start`` on) and
+    their text, replayed through the turn's detokenizer and stop matcher so that the text
+    equals the uninterrupted stream's (a suffix held back before the cut included); the last
+    chunk (finish, usage) when the turn had already ended."""
+    shown, finish = text.replay(tokens[turn.start:start], tokens[start:],
+                                Finish[turn.finish] if turn.finish else None)
+    return Chunk(text=shown, token_ids=tokens[start:], session_id=session_id, offset=start,
+                 finish=finish, usage=usage if finish else None)
