@@ -268,7 +268,7 @@ class AdaptiveK:
         to ``max_loss_bits``. A probe costs its rounds' loss, so one that loses by r is worth
         r times fewer: on an H200, where the demo drafter on the CPU is slower than a
         replayed verify, drafting rounds cost 2.8 ms a token against 0.58 without, and
-        probes at 8, 16, ... 512 tokens cost the defaults ~10% of a 2,048-token cell
+        probes at 8, 16, ... 512 tokens cost the defaults ~9% of a 2,048-token cell
         (docs/performance.md)."""
         plain = self.costs.round_ms(0)  # a token's (a plain round's share)
         ks = (self.only,) if self.only else range(1, self.k_max + 1)

@@ -291,7 +291,7 @@ def test_probes_of_a_drafter_that_loses_by_far_back_off_as_far(drafting_ms, cap)
     until the cap, once the probes have measured α: at first the request's prior, 0.7,
     makes drafting look better than it is), and the cap is log2(r) doublings higher:
     64 << 2 and 64 << 3 rounds. On an H200 the demo drafter lost by 4.7x, and probing it
-    on the doubling schedule cost the defaults ~10% of a 2,048-token cell
+    on the doubling schedule cost the defaults ~9% of a 2,048-token cell
     (docs/performance.md)."""
     gaps = [g - 3 for g in _probe_gaps(drafting_ms, rounds=1500)]  # plain rounds between
     rising = gaps[:gaps.index(cap)]
