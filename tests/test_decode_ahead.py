@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 
+from services.errors import InvalidArgument
 from services.hashing import token_hash
 from services.messages import CacheDelta, VerifyCall
 from services.model_info import load_tokenizer
@@ -210,6 +211,15 @@ def test_no_job_starts_after_an_end_of_sequence_token_or_past_the_context():
     result = asyncio.run(full.verify(_call(PROMPT, max_tokens=3, ahead=4)))
     assert len(_tokens(result)) == 3 and "s" not in full.ahead
     assert full.stats.ahead_started == 0
+
+
+def test_a_bad_ahead_is_refused_with_what_to_fix_and_stops_nothing_else():
+    engine, _ = _engine()
+    with pytest.raises(InvalidArgument, match="ahead must be in 0..64, got 65"):
+        asyncio.run(engine.verify(_call(PROMPT, max_tokens=2, ahead=65, session="a")))
+    with pytest.raises(InvalidArgument, match="needs a call without drafts"):
+        asyncio.run(engine.verify(_call(PROMPT, drafts=(4, 5), ahead=2, session="b")))
+    assert len(engine.caches) == 0 and engine.stats.ahead_started == 0
 
 
 VOCAB = 512  # the tiny pair's tokenizer's

@@ -135,7 +135,7 @@ class VerifierEngine(ModelEngine):
             call, cache=CacheDelta(session_id=call.cache.session_id, base_len=base,
                                    base_hash=entry.hasher.hash(entry.tokens, base),
                                    new_tokens=(last,)),
-            seed=call.ahead_seed, max_tokens=min(call.ahead, MAX_TOKENS), ahead=0, ahead_seed=0)
+            seed=call.ahead_seed, max_tokens=call.ahead, ahead=0, ahead_seed=0)
         try:
             checkout, ahead_job = self._begin(nxt)
         except Exception as exc:  # noqa: BLE001 - optional work: the next call runs as usual
@@ -161,6 +161,11 @@ class VerifierEngine(ModelEngine):
         if call.max_tokens > 1 and call.draft_ids:
             raise InvalidArgument(f"max_tokens {call.max_tokens} needs a call without drafts: "
                                   "send no draft_token_ids, or max_tokens 0 or 1")
+        if not 0 <= call.ahead <= MAX_TOKENS:
+            raise InvalidArgument(f"ahead must be in 0..{MAX_TOKENS}, got {call.ahead}")
+        if call.ahead and call.draft_ids:
+            raise InvalidArgument(f"ahead {call.ahead} (the next round, decoded ahead) needs a "
+                                  "call without drafts: send no draft_token_ids, or ahead 0")
         # (the context holds the tokens it feeds: all but the last it returns)
         check_delta(self.runner.meta, delta.session_id, delta.base_len, delta.new_tokens,
                     len(call.draft_ids) + call.max_tokens - 1)
