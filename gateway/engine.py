@@ -330,16 +330,11 @@ class GenerationEngine:
         return r, start, round_span
 
     def _plain_tokens(self, req: _Request) -> int:
-        """Tokens a round without drafts asks for: --plain-tokens within the request's budget
-        and the context; but one in the request's first round (its time to the first token),
-        and one for a seeded sample, whose draws use one seed a round: how many tokens a
-        round gets depends on the other calls of its step (fit_verify_step), and a seed must
-        reproduce whatever else runs."""
-        seeded = req.spec.seed is not None and not req.spec.params.greedy
-        if req.rounds.last is None or seeded:
+        """Tokens a round without drafts asks for: ``_plain_cap`` within the request's budget
+        and the context; but one in the request's first round (its time to the first token)."""
+        if req.rounds.last is None:
             return 1
-        return max(1, min(self.config.plain_tokens, req.spec.max_new_tokens - req.generated,
-                          self.limits.max_context - len(req.handle.tokens)))
+        return max(1, min(self._plain_cap(req), self._tokens_left(req)))
 
     def _ahead_tokens(self, req: _Request, plain: int) -> int:
         """The tokens a round without drafts asks the verifier to decode ahead: what the
@@ -348,10 +343,19 @@ class GenerationEngine:
         --no-decode-ahead. A round that keeps fewer (a stop string) ends the request."""
         if not self.config.decode_ahead:
             return 0
+        return max(0, min(self._plain_cap(req), self._tokens_left(req) - plain))
+
+    def _plain_cap(self, req: _Request) -> int:
+        """--plain-tokens; one for a seeded sample, whose draws use one seed a round: how
+        many tokens a round gets depends on the other calls of its step (fit_verify_step),
+        and a seed must reproduce whatever else runs."""
         seeded = req.spec.seed is not None and not req.spec.params.greedy
-        left = min(req.spec.max_new_tokens - req.generated,
-                   self.limits.max_context - len(req.handle.tokens)) - plain
-        return max(0, min(1 if seeded else self.config.plain_tokens, left))
+        return 1 if seeded else self.config.plain_tokens
+
+    def _tokens_left(self, req: _Request) -> int:
+        """What the request's budget and the model's context still allow."""
+        return min(req.spec.max_new_tokens - req.generated,
+                   self.limits.max_context - len(req.handle.tokens))
 
     async def _save(self, req: _Request, added: int, final: bool) -> None:
         """Commits the round's ``added`` tokens and any an earlier round left pending. While

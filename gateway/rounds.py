@@ -161,10 +161,11 @@ class RoundRunner:
         # Run: the verify, and the next round's branches alongside it.
         mid = time.perf_counter()
         drafted = draft if draft is not None and draft.token_ids else None
+        ahead_tokens = plan.ahead if drafted is None else 0  # decoded ahead: no drafts
+        ahead_seed = round_seed(seed, round_index + 1, "verify") if ahead_tokens else 0
         verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
                               deadline, logprobs, 1 if drafted is not None else tokens,
-                              ahead=0 if drafted is not None else plan.ahead,
-                              ahead_seed=round_seed(seed, round_index + 1, "verify"))
+                              ahead=ahead_tokens, ahead_seed=ahead_seed)
         ahead = None
         if drafted is not None and self.config.pipeline and h.drafter.replica:
             valid = old if fresh else min(h.drafter.length, old)
@@ -388,8 +389,8 @@ class RoundRunner:
                       draft: DraftResult | None, seed: int, deadline,
                       logprobs: int = -1, tokens: int = 1, ahead: int = 0,
                       ahead_seed: int = 0) -> VerifyResult:
-        """``ahead``: without drafts, the next round's tokens, which the verifier decodes
-        once it answers (verifier_svc/decode_ahead.py), from ``ahead_seed``."""
+        """``ahead`` (no ``draft``): the next round's tokens, which the verifier decodes once
+        it answers (verifier_svc/decode_ahead.py), from ``ahead_seed``."""
         sparse = draft is not None and not params.greedy
 
         async def call(replica, base: int) -> VerifyResult:
@@ -398,7 +399,7 @@ class RoundRunner:
                 draft_ids=draft.token_ids if draft else (),
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
                 params=params, seed=seed, logprobs=logprobs, max_tokens=tokens,
-                ahead=ahead if draft is None else 0, ahead_seed=ahead_seed),
+                ahead=ahead, ahead_seed=ahead_seed),
                 self._timeout(deadline))
 
         result = await self._on_replica(h, self.verifiers, "verifier", call, deadline=deadline)
