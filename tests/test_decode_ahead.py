@@ -261,3 +261,26 @@ def test_the_gateway_asks_for_the_next_round_and_outputs_stay_the_targets(
     else:
         assert stats.ahead_started == 0
     assert not h.verifier.ahead._jobs, "no job is left once every request ended"
+
+
+def test_a_seeded_sample_takes_its_rounds_over_and_draws_what_it_draws_without(
+        redis_url, tokenizer):
+    """Temperature 1 with a seed, target-only, through the gateway's scheduler: each round
+    names the next round's seed, so the verifier's jobs are taken over (a wrong seed would
+    leave every one of them unused), and the output is the one the same request draws with
+    decode-ahead off."""
+    target, draft = tables(vocab=VOCAB, seed=5, noise=1.0)
+    request = spec(PROMPTS[2], 24, speculate=False, seed=1234,
+                   params=SamplingParams(temperature=1.0))
+
+    async def main(decode_ahead: bool):
+        h = EngineHarness(target, draft, redis_url, tokenizer, decode_ahead=decode_ahead)
+        try:
+            return h, token_ids(await h.complete(request))
+        finally:
+            await h.close()
+
+    on, drawn = asyncio.run(main(True))
+    _, want = asyncio.run(main(False))
+    assert drawn == want
+    assert on.verifier.stats.ahead_taken >= 24 - 2  # a token a round: all but the first two
