@@ -115,7 +115,7 @@ class VerifierEngine(ModelEngine):
         self.stats.fed_tokens += job.feeds + len(job.more)
         self.stats.draft_tokens += len(call.draft_ids)
         self.stats.accepted_tokens += accepted
-        if call.ahead and not call.draft_ids:
+        if call.ahead:  # (only a call without drafts may ask: _begin)
             self._decode_ahead(call, job)
         return VerifyResult(num_accepted=accepted, extra_token=extra,
                             cached_len=len(job.entry.tokens), cache_hit=call.cache.base_len > 0,
