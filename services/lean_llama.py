@@ -150,6 +150,11 @@ class LeanLlama(torch.nn.Module):
                            dtype=weight.dtype, device=weight.device,
                            scratch=graphs) if slots else None
         self.rope = rotary.RopeTable(model, weight)  # cos, signed sin of the positions
+        # pooled rows attend in the project's CPU kernel (services/ragged_attention.py)
+        self.kernel_attention = bool(
+            half and self.pool is not None and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and self._head_dim % 8 == 0
+            and self._head_dim <= 256 and not cpu_kernels.kernel())
         # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
         self.graphs = None if not (graphs and self.pool) else DecodeGraphs(
             self, capture=weight.device.type == "cuda", row_max=POOL_ROW_MAX)
@@ -332,9 +337,10 @@ class LeanLlama(torch.nn.Module):
                 masks[b][:, p:].shape, device=dev).masked_fill_(~masks[b][:, p:], float("-inf"))
 
         plans = ragged_attention.plan(rows, sorted(pooled - grouped), starts, self.pool,
-                                      H // KV, dev)
+                                      H // KV, dev, kernel=self.kernel_attention)
         cascades = [ragged_attention.cascade_plan(rows, idx, p, starts, pooled, self.pool,
-                                                  H // KV, dev, lambda b, p=p: rest_mask(b, p))
+                                                  H // KV, dev, lambda b, p=p: rest_mask(b, p),
+                                                  self.kernel_attention)
                     for idx, p in groups]
         # one segment's call attends every token of the pass, in order: its output is the
         # layer's attention as it comes (a decode pass of one stream, rows in slot order)

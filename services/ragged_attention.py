@@ -20,6 +20,12 @@ read), and keys past a row's own length are masked (the pool makes sure they hol
 a masked NaN would still reach the softmax). Each real query sees exactly its own cache and
 the new keys before it, as in a pass of its own.
 
+On a CPU the project's kernel attends instead of SDPA (services/csrc/cpu_kernels.cpp,
+``specmesh_cpu::attention``): it takes each padded query's last visible key, not a mask, and
+reads each row's own keys only, not the window padded to the longest. SDPA's CPU kernel spent
+about twice the time reading the keys and values of a decode pass over 16 sessions
+(docs/performance.md, 2026-11-27).
+
 Cascade attention: rows whose caches begin with the same P positions (copies of the same
 prefix-cache blocks, services/batching.py ``shared_prefixes``) attend to that prefix in ONE
 call over the first row's copy, read once instead of once per row, and to the rest of their
@@ -53,9 +59,11 @@ class PooledRows:
     n: int  # slots lo..lo+n-1 are read
     width: int  # M: the most new tokens of a row
     keys: int  # Lmax: the most positions of a row after the pass
-    mask: torch.Tensor  # [n, 1, G M, Lmax - since]: added to the scores (0 = may attend,
-    # -inf), in the pool's dtype: made once a pass, where a bool mask is turned into this
-    # by SDPA in every layer's call (two operators a layer; on a GPU, two kernel launches)
+    last: torch.Tensor  # [n, M] each padded query's last visible key (its position)
+    mask: torch.Tensor | None  # [n, 1, G M, Lmax - since]: added to the scores (0 = may
+    # attend, -inf), in the pool's dtype: made once a pass, where a bool mask is turned into
+    # this by SDPA in every layer's call (two operators a layer; on a GPU, two kernel
+    # launches); None where the CPU kernel attends (``last`` is what it reads)
     since: int = 0  # keys before this position are not read (a cascade's shared prefix)
     cols: torch.Tensor | None = None  # [P] with since > 0: each token's column in its group
     # The common decode pass (one stream's, and rows in slot order): the rows' tokens are
@@ -85,12 +93,13 @@ def additive_mask(last: torch.Tensor, since: int, keys: int, group: int, dtype: 
 
 
 def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, group: int,
-         device: torch.device, since: int = 0,
-         columns: dict[int, int] | None = None) -> list[PooledRows]:
+         device: torch.device, since: int = 0, columns: dict[int, int] | None = None,
+         kernel: bool = False) -> list[PooledRows]:
     """Splits the pass's rows ``members`` (each ``rows[b].kv`` a cache of ``pool`` with a
     slot, room for its tokens) by segment. ``starts``: each row's first token in T; ``group``
     G: query heads per key head. For a cascade group: ``since`` its shared positions,
-    ``columns`` each token's column among the group's tokens."""
+    ``columns`` each token's column among the group's tokens. ``kernel``: the CPU kernel
+    attends (no mask is made)."""
     slot_of = {b: rows[b].kv.slot for b in members}  # (a property over every layer)
     by_segment: dict[int, list[int]] = {}
     for b in members:
@@ -121,12 +130,12 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
                               dtype=torch.long, device=device)
         slot_t = staged[P:2 * P]
         last = staged[4 * P:4 * P + n * width].view(n, width)  # [n, M]
-        mask = additive_mask(last, since, keys, group, pool.dtype)  # [n, 1, G M, L - since]
+        mask = None if kernel else additive_mask(last, since, keys, group, pool.dtype)
         consecutive = tok == list(range(tok[0], tok[0] + len(tok)))
         plans.append(PooledRows(
             segment=segment, rows=idx, tok=staged[:P], slot=slot_t, pos=staged[2 * P:3 * P],
             rel=slot_t - lo, j=staged[3 * P:4 * P], lo=lo, n=n, width=width, keys=keys,
-            mask=mask, since=since, cols=None if columns is None else staged[-P:],
+            last=last, mask=mask, since=since, cols=None if columns is None else staged[-P:],
             span=slice(tok[0], tok[-1] + 1) if consecutive else None,
             dense=width == 1 and slot == list(range(lo, lo + n))))
     return plans
@@ -153,13 +162,24 @@ def _written_and_padded(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor
     return padded, keys[window, :, p.since:p.keys], values[window, :, p.since:p.keys]
 
 
+def _kernel(p: PooledRows, grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU kernel's attention of the padded queries [n, KV, G M, D] over their slots'
+    keys from ``p.since`` on, each row's own only: outputs and log-sum-exps [n, KV, G M]."""
+    return torch.ops.specmesh_cpu.attention(grouped, keys, values, p.last, p.since,
+                                            grouped.shape[-1] ** -0.5)
+
+
 def attend(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
            k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Writes the rows' new keys and values and returns their tokens' attention outputs
     [H, P, D] for queries q [H, T, D] (``_written_and_padded``)."""
     H, _, D = q.shape
     grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=p.mask)
+    if p.mask is None:
+        out = _kernel(p, grouped, keys, values)[0]
+    else:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=p.mask)
     if p.dense:
         return out.reshape(p.n, H, D).transpose(0, 1)  # [H, P, D], a view
     return out.reshape(p.n, H, p.width, D)[p.rel, :, p.j].transpose(0, 1)  # [H, P, D]
@@ -183,7 +203,8 @@ def _attend_slots_lse(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor],
     KV = k.shape[0]
     G = q.shape[0] // KV
     grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
-    out, lse = attend_lse(grouped, keys, values, p.mask)  # [n, KV, G M, D], [n, KV, G M]
+    out, lse = (_kernel(p, grouped, keys, values) if p.mask is None
+                else attend_lse(grouped, keys, values, p.mask))  # [n, KV, G M, D], [n, KV, G M]
     out = out.reshape(p.n, KV, G, p.width, -1)[p.rel, :, :, p.j]  # [P, KV, G, D]
     lse = lse.reshape(p.n, KV, G, p.width)[p.rel, :, :, p.j]  # [P, KV, G]
     return out.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
@@ -204,9 +225,11 @@ class Cascade:
 
 def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequence[int],
                  pooled: set[int], pool, group: int, device: torch.device,
-                 rest_mask: Callable[[int], torch.Tensor | None]) -> Cascade:
+                 rest_mask: Callable[[int], torch.Tensor | None],
+                 kernel: bool = False) -> Cascade:
     """Plans a group's attention; ``pooled``: which of its rows attend in their slots,
-    ``rest_mask(b)``: a lone row's additive mask over its rest [G m, L - shared] (or None)."""
+    ``rest_mask(b)``: a lone row's additive mask over its rest [G m, L - shared] (or None);
+    ``kernel``: the CPU kernel attends the pooled rows' rests."""
     tok, columns, alone = [], {}, []
     for b in idx:
         m = len(rows[b].tokens)
@@ -217,7 +240,8 @@ def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequen
             tok.append(t)
     mine = [b for b in idx if b in pooled]
     return Cascade(rows=list(idx), shared=shared, tok=torch.tensor(tok, device=device),
-                   pooled=plan(rows, mine, starts, pool, group, device, shared, columns),
+                   pooled=plan(rows, mine, starts, pool, group, device, shared, columns,
+                               kernel),
                    alone=alone)
 
 

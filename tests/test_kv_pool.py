@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from services import ragged_attention
+from services import cpu_kernels, ragged_attention
 from services.batching import Row, forward_one, forward_rows
 from services.kv_slab import AHEAD, POOL_MAX_SLOTS, KVPool, SlabCache, pool_slots
 from services.lean_llama import POOL_ROW_MAX, LeanLlama
@@ -126,15 +126,18 @@ def test_positions_past_a_slots_live_ones_are_zeroed_once_and_ahead():
     assert numbers(0) == numbers(1)
 
 
-def test_rows_in_slots_attend_per_segment_and_match_each_row_alone(models, monkeypatch):
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "cpu-kernel"])
+def test_rows_in_slots_attend_per_segment_and_match_each_row_alone(models, monkeypatch, kernel):
     """Rows in two pool segments, with free slots between them, of 1-4 new tokens and pasts
     of 0-60 positions, beside a row whose cache has no slot, a prompt row (more than
     POOL_ROW_MAX tokens) and a row that outgrows its slot in this pass: each row's logits
     equal that row run alone through HF, its cache holds HF's keys, and the pooled rows
     were attended with one call per segment and layer. A wrong slot, position, padding or
     mask shows here, and so does a masked position never written (NaN reaches a softmax
-    through a mask)."""
+    through a mask). With PyTorch's SDPA and with the project's CPU kernel."""
     hf, lean = models
+    monkeypatch.setattr(lean, "kernel_attention", kernel and cpu_kernels.kernel() == "")
+    assert lean.kernel_attention == kernel
     c = hf.config
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -200,11 +203,15 @@ def test_a_replica_holds_its_pool_within_max_sessions_and_the_kv_budget(tiny_pai
     runner.close()
 
 
-def test_a_row_far_longer_than_the_others_attends_alone(models, monkeypatch):
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "cpu-kernel"])
+def test_a_row_far_longer_than_the_others_attends_alone(models, monkeypatch, kernel):
     """The pooled call pads every row to the longest: one row of 400 cached positions beside
     three of about 10 would make each of them read 400, so it attends alone (and still
-    matches HF); rows of similar lengths stay together."""
+    matches HF); rows of similar lengths stay together. (The CPU kernel reads each row's own
+    keys only, but the padded queries and the mask SDPA needs are made per pass either way.)"""
     hf, lean = models
+    monkeypatch.setattr(lean, "kernel_attention", kernel and cpu_kernels.kernel() == "")
+    assert lean.kernel_attention == kernel
     c = hf.config
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -149,16 +149,20 @@ def test_batched_rows_match_each_row_alone(models):
     ([(30, 1), (12, 1), (47, 1)], None),  # decode rows in slot order: dense
     ([(30, 1), (12, 1), (47, 1)], [2, 0, 1]),  # decode rows out of slot order: gathered
 ], ids=["padded", "one-stream", "slot-order", "out-of-order"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "cpu-kernel"])
 def test_pooled_passes_shortcuts_give_the_general_paths_floats(tiny_pair, monkeypatch, plan,
-                                                                order):
+                                                                order, kernel):
     """A pooled pass's mask is additive (0 / -inf), made once a pass, where SDPA turned a bool
     mask into it in every layer's call; and a decode pass whose rows fill their slots in
     order attends on views of the pass's queries, keys and values, without padding or
     gathering. Neither may change a float: the logits must equal the general path's (bool
-    masks, padded queries, gathered outputs)."""
-    from services import ragged_attention
+    masks, padded queries, gathered outputs); with the CPU kernel, which takes no mask,
+    padded queries and gathered outputs."""
+    from services import cpu_kernels, ragged_attention
 
     _, lean = _pair(tiny_pair[0], pack=False)
+    lean.kernel_attention = kernel and cpu_kernels.kernel() == ""
+    assert lean.kernel_attention == kernel
 
     def run():
         kvs = [lean.new_cache() for _ in plan]  # slots in this order
@@ -176,7 +180,8 @@ def test_pooled_passes_shortcuts_give_the_general_paths_floats(tiny_pair, monkey
     made = ragged_attention.plan
 
     def general(*args, **kwargs):  # the plans without their shortcuts; True = may attend
-        return [dataclasses.replace(p, mask=p.mask == 0, span=None, dense=False)
+        return [dataclasses.replace(p, mask=None if p.mask is None else p.mask == 0,
+                                    span=None, dense=False)
                 for p in made(*args, **kwargs)]
 
     monkeypatch.setattr(ragged_attention, "plan", general)
@@ -284,21 +289,25 @@ def test_tree_visibility_is_each_branch_prefix_and_its_own_tokens():
                        [1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 1]]
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "cpu-kernel"])
 @pytest.mark.parametrize("slots", ["pool", "own", "mixed"])
 def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models, slots,
-                                                                         monkeypatch):
+                                                                         monkeypatch, kernel):
     """Cascade attention: rows whose caches begin with the same 160 tokens (the same chained
     prefix-block hashes, as the verifier's sessions restored from its prefix cache carry)
     are grouped and attend to that prefix once per layer, merged with their own suffix by
     log-sum-exp; each row's logits still equal that row run alone through HF - rows of one
     and of several new tokens, a row whose new tokens start right after the prefix, and a
     row that shares nothing in the same pass; the rows' caches in pool slots (their rests
-    attended in one call), in buffers of their own (one call each), or some of each. A wrong
-    merge, mask or offset shows here."""
-    from services import ragged_attention
+    attended in one call), in buffers of their own (one call each), or some of each; the
+    pooled rests attended by SDPA or by the CPU kernel. A wrong merge, mask or offset shows
+    here."""
+    from services import cpu_kernels, ragged_attention
     from services.batching import shared_prefixes
 
     hf, lean = models
+    monkeypatch.setattr(lean, "kernel_attention", kernel and cpu_kernels.kernel() == "")
+    assert lean.kernel_attention == kernel
     prefix = _ids(hf, 160, 99)
     chain = list(range(1000, 1010))  # 10 blocks of 16: SessionCache.hashes
     other = list(range(5000, 5011))

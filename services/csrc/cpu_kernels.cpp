@@ -1,4 +1,5 @@
-// The CPU kernels of services/cpu_kernels.py: a linear layer over 16-bit weights, and a row argmax.
+// The CPU kernels of services/cpu_kernels.py: a linear layer over 16-bit weights, a row argmax,
+// and the attention of a pass's pooled decode and verify rows.
 //
 // y = x @ W^T for float32 activations and weights stored in 16 bits (fp16 or bf16), computed in
 // float32: each weight is widened exactly and every product and sum is a float32 FMA, so the
@@ -27,8 +28,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <vector>
 #include <immintrin.h>
 
 namespace {
@@ -182,6 +186,180 @@ AVX2 int64_t argmax256(const float* x, int64_t n) {
   return 0;
 }
 
+// ---- attention of pooled rows: each (row, key head) over its own visible keys only
+// (services/ragged_attention.py). A row's G M queries share the head's keys; query r sees
+// keys 0..count[r]-1 of the row's view. Three passes over a row: scores (each key read once for
+// every query), their exponentials and sums, the values (each read once). Keys past a row's own
+// length are never read, so a row costs what its own cache holds, whatever the batch pads to.
+// Each query's sums run over its keys in order: its output does not depend on the batch, the
+// other queries of its row, or the threads.
+constexpr float kExpLow = -87.3365447f;  // below this, expf is 0 here (2^n would be denormal)
+
+// Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, then 2^n
+AVX512 inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(kExpLow);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lo);
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626f));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                  _mm512_set1_ps(0.5f)),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(live, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+
+AVX2 inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(kExpLow);
+  const __m256 live = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lo);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                             _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One (row, key head): q [R, D]; keys and values: rows of D floats ``step`` apart; count [R];
+// s: scratch of R * Lp floats (Lp: the longest count rounded up to 16); o [R, D]; lse [R].
+struct Pair {
+  const float* q; const float* k; const float* v; int64_t kstep, vstep;
+  int64_t D, R; const int64_t* count; float scale; float* s; int64_t Lp; float* o; float* lse;
+};
+
+AVX512 void attend_pair512(const Pair& a) {
+  const int64_t D = a.D, nv = D / 16, L = a.Lp;
+  int64_t longest = 0;
+  for (int64_t r = 0; r < a.R; ++r) longest = std::max(longest, a.count[r]);
+  __m512 kv[16];
+  for (int64_t j = 0; j < longest; ++j) {  // scores: each key read once for all the queries
+    const float* kj = a.k + j * a.kstep;
+    for (int64_t t = 0; t < nv; ++t) kv[t] = _mm512_loadu_ps(kj + 16 * t);
+    for (int64_t r = 0; r < a.R; ++r) {
+      if (j >= a.count[r]) continue;
+      const float* qr = a.q + r * D;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+      for (int64_t t = 1; t < nv; ++t) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * t), kv[t], acc);
+      a.s[r * L + j] = _mm512_reduce_add_ps(acc) * a.scale;
+    }
+  }
+  std::vector<float> total(a.R);
+  for (int64_t r = 0; r < a.R; ++r) {  // exponentials, each query's keys in order
+    float* sr = a.s + r * L;
+    const int64_t c = a.count[r];
+    if (c <= 0) { total[r] = 0.0f; a.lse[r] = -INFINITY; continue; }
+    float m = sr[0];
+    for (int64_t j = 1; j < c; ++j) m = std::max(m, sr[j]);
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < c; j += 16) {
+      const __mmask16 live = j + 16 <= c ? 0xFFFF : static_cast<__mmask16>((1u << (c - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
+      _mm512_storeu_ps(sr + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    total[r] = _mm512_reduce_add_ps(sum);
+    a.lse[r] = m + std::log(total[r]);
+  }
+  for (int64_t r = 0; r < a.R; ++r)
+    for (int64_t t = 0; t < nv; ++t) _mm512_storeu_ps(a.o + r * D + 16 * t, _mm512_setzero_ps());
+  for (int64_t j = 0; j < longest; ++j) {  // values: each read once for all the queries
+    const float* vj = a.v + j * a.vstep;
+    for (int64_t t = 0; t < nv; ++t) kv[t] = _mm512_loadu_ps(vj + 16 * t);
+    for (int64_t r = 0; r < a.R; ++r) {
+      if (j >= a.count[r]) continue;
+      const __m512 p = _mm512_set1_ps(a.s[r * L + j]);
+      float* orow = a.o + r * D;
+      for (int64_t t = 0; t < nv; ++t)
+        _mm512_storeu_ps(orow + 16 * t, _mm512_fmadd_ps(p, kv[t], _mm512_loadu_ps(orow + 16 * t)));
+    }
+  }
+  for (int64_t r = 0; r < a.R; ++r) {
+    if (a.count[r] <= 0) continue;
+    const __m512 d = _mm512_set1_ps(total[r]);
+    for (int64_t t = 0; t < nv; ++t)
+      _mm512_storeu_ps(a.o + r * D + 16 * t, _mm512_div_ps(_mm512_loadu_ps(a.o + r * D + 16 * t), d));
+  }
+}
+
+AVX2 void attend_pair256(const Pair& a) {
+  const int64_t D = a.D, nv = D / 8, L = a.Lp;
+  int64_t longest = 0;
+  for (int64_t r = 0; r < a.R; ++r) longest = std::max(longest, a.count[r]);
+  __m256 kv[32];
+  for (int64_t j = 0; j < longest; ++j) {
+    const float* kj = a.k + j * a.kstep;
+    for (int64_t t = 0; t < nv; ++t) kv[t] = _mm256_loadu_ps(kj + 8 * t);
+    for (int64_t r = 0; r < a.R; ++r) {
+      if (j >= a.count[r]) continue;
+      const float* qr = a.q + r * D;
+      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), kv[0]);
+      for (int64_t t = 1; t < nv; ++t) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * t), kv[t], acc);
+      a.s[r * L + j] = hsum256(acc) * a.scale;
+    }
+  }
+  std::vector<float> total(a.R);
+  for (int64_t r = 0; r < a.R; ++r) {
+    float* sr = a.s + r * L;
+    const int64_t c = a.count[r];
+    if (c <= 0) { total[r] = 0.0f; a.lse[r] = -INFINITY; continue; }
+    float m = sr[0];
+    for (int64_t j = 1; j < c; ++j) m = std::max(m, sr[j]);
+    for (int64_t j = c; j < (c + 7) / 8 * 8; ++j) sr[j] = -INFINITY;  // exp gives 0 there
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < c; j += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
+      _mm256_storeu_ps(sr + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    total[r] = hsum256(sum);
+    a.lse[r] = m + std::log(total[r]);
+  }
+  for (int64_t r = 0; r < a.R; ++r)
+    for (int64_t t = 0; t < nv; ++t) _mm256_storeu_ps(a.o + r * D + 8 * t, _mm256_setzero_ps());
+  for (int64_t j = 0; j < longest; ++j) {
+    const float* vj = a.v + j * a.vstep;
+    for (int64_t t = 0; t < nv; ++t) kv[t] = _mm256_loadu_ps(vj + 8 * t);
+    for (int64_t r = 0; r < a.R; ++r) {
+      if (j >= a.count[r]) continue;
+      const __m256 p = _mm256_set1_ps(a.s[r * L + j]);
+      float* orow = a.o + r * D;
+      for (int64_t t = 0; t < nv; ++t)
+        _mm256_storeu_ps(orow + 8 * t, _mm256_fmadd_ps(p, kv[t], _mm256_loadu_ps(orow + 8 * t)));
+    }
+  }
+  for (int64_t r = 0; r < a.R; ++r) {
+    if (a.count[r] <= 0) continue;
+    const __m256 d = _mm256_set1_ps(total[r]);
+    for (int64_t t = 0; t < nv; ++t)
+      _mm256_storeu_ps(a.o + r * D + 8 * t, _mm256_div_ps(_mm256_loadu_ps(a.o + r * D + 8 * t), d));
+  }
+}
+
 // "avx512", "avx2" or "" (neither: the Python side then keeps float32 weights)
 std::string isa() {
   __builtin_cpu_init();
@@ -255,10 +433,70 @@ at::Tensor argmax_rows(const at::Tensor& x, const std::string& want) {
   return out;
 }
 
+// q [n, KV, R, D] float32; keys, values [n, KV, L, D] float32 with unit stride in D and one
+// stride between positions (views of a pool segment's buffers); last [n, M] int64 with R a
+// multiple of M: query r of row i sees the keys 0..last[i][r % M] - since. D a multiple of 8,
+// at most 256 (of 16 for the AVX-512 kernel, else the AVX2 one runs). Returns the outputs
+// [n, KV, R, D] and their log-sum-exps [n, KV, R] (natural; -inf and zeros for a query that
+// sees no key).
+std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const at::Tensor& keys,
+                                                    const at::Tensor& values, const at::Tensor& last,
+                                                    int64_t since, double scale, const std::string& want) {
+  for (const auto* t : {&q, &keys, &values})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 4,
+                "attention: q, keys and values must be 4-D float32 CPU tensors");
+  const int64_t n = q.size(0), KV = q.size(1), R = q.size(2), D = q.size(3), L = keys.size(2);
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == n && keys.size(1) == KV && keys.size(3) == D,
+              "attention: keys and values must be [n, KV, L, D] for q [n, KV, R, D]");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: keys and values need unit stride in D");
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "attention: D must be a multiple of 8, at most 256, got ", D);
+  TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 2 && last.size(0) == n && last.size(1) > 0 &&
+              R % last.size(1) == 0, "attention: last must be int64 [n, M] with M dividing q's R");
+  static const std::string found = isa();
+  TORCH_CHECK(!found.empty(), "attention: this CPU has neither AVX-512 nor AVX2");
+  TORCH_CHECK(want.empty() || want == "avx2" || want == found,
+              "attention: isa must be \"\", \"avx2\" or this CPU's (", found, "), got ", want);
+  auto fn = (found == "avx512" && want != "avx2" && D % 16 == 0) ? attend_pair512 : attend_pair256;
+  const auto qs = q.contiguous();
+  const auto lst = last.contiguous();
+  const int64_t M = lst.size(1);
+  auto out = at::empty({n, KV, R, D}, q.options());
+  auto lse = at::empty({n, KV, R}, q.options());
+  const float* qp = qs.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  const int64_t* lp = lst.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  float* sp = lse.data_ptr<float>();
+  if (n * KV * R == 0) return {out, lse};
+  at::parallel_for(0, n * KV, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<int64_t> count(R);
+    std::vector<float> scratch;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t i = p / KV, h = p % KV;
+      int64_t longest = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        count[r] = std::clamp<int64_t>(lp[i * M + r % M] - since + 1, 0, L);
+        longest = std::max(longest, count[r]);
+      }
+      const int64_t Lp = (longest + 15) / 16 * 16;
+      scratch.resize(static_cast<size_t>(R * std::max<int64_t>(Lp, 16)));
+      const Pair a{qp + (i * KV + h) * R * D, kp + i * keys.stride(0) + h * keys.stride(1),
+                   vp + i * values.stride(0) + h * values.stride(1), keys.stride(2), values.stride(2),
+                   D, R, count.data(), static_cast<float>(scale), scratch.data(), std::max<int64_t>(Lp, 16),
+                   op + (i * KV + h) * R * D, sp + (i * KV + h) * R};
+      fn(a);
+    }
+  });
+  return {out, lse};
+}
+
 std::string cpu_isa() { return isa(); }
 
 TORCH_LIBRARY(specmesh_cpu, m) {
   m.def("linear(Tensor x, Tensor wp, int n, str isa=\"\") -> Tensor", &half_linear);
   m.def("argmax(Tensor x, str isa=\"\") -> Tensor", &argmax_rows);
+  m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor last, int since, float scale, "
+        "str isa=\"\") -> (Tensor, Tensor)", &pooled_attention);
   m.def("isa() -> str", &cpu_isa);
 }
