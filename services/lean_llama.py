@@ -154,7 +154,7 @@ class LeanLlama(torch.nn.Module):
         self.kernel_attention = bool(
             half and self.pool is not None and weight.device.type == "cpu"
             and weight.dtype == torch.float32 and self._head_dim % 8 == 0
-            and self._head_dim <= 256 and not cpu_kernels.kernel())
+            and self._head_dim <= 128 and not cpu_kernels.kernel())
         # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
         self.graphs = None if not (graphs and self.pool) else DecodeGraphs(
             self, capture=weight.device.type == "cuda", row_max=POOL_ROW_MAX)

@@ -193,6 +193,7 @@ AVX2 int64_t argmax256(const float* x, int64_t n) {
 // length are never read, so a row costs what its own cache holds, whatever the batch pads to.
 // Each query's sums run over its keys in order: its output does not depend on the batch, the
 // other queries of its row, or the threads.
+constexpr int64_t kAhead = 16;  // keys read ahead (4 KB at D = 64)
 constexpr float kExpLow = -87.3365447f;  // below this, expf is 0 here (2^n would be denormal)
 
 // Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, then 2^n
@@ -250,113 +251,123 @@ struct Pair {
   int64_t D, R; const int64_t* count; float scale; float* s; int64_t Lp; float* o; float* lse;
 };
 
-AVX512 void attend_pair512(const Pair& a) {
-  const int64_t D = a.D, nv = D / 16, L = a.Lp;
-  int64_t longest = 0;
-  for (int64_t r = 0; r < a.R; ++r) longest = std::max(longest, a.count[r]);
-  __m512 kv[16];
-  for (int64_t j = 0; j < longest; ++j) {  // scores: each key read once for all the queries
-    const float* kj = a.k + j * a.kstep;
-    for (int64_t t = 0; t < nv; ++t) kv[t] = _mm512_loadu_ps(kj + 16 * t);
-    for (int64_t r = 0; r < a.R; ++r) {
-      if (j >= a.count[r]) continue;
-      const float* qr = a.q + r * D;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
-      for (int64_t t = 1; t < nv; ++t) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * t), kv[t], acc);
-      a.s[r * L + j] = _mm512_reduce_add_ps(acc) * a.scale;
-    }
-  }
-  std::vector<float> total(a.R);
-  for (int64_t r = 0; r < a.R; ++r) {  // exponentials, each query's keys in order
-    float* sr = a.s + r * L;
+// The sums of four vectors' lanes, as four floats (each vector's lanes added in a fixed order)
+AVX512 inline __m128 hsum4x512(__m512 a, __m512 b, __m512 c, __m512 d) {
+  auto half = [](__m512 v) AVX512 {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 ab = _mm256_hadd_ps(half(a), half(b)), cd = _mm256_hadd_ps(half(c), half(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a01 b01 c01 d01 | a23 b23 c23 d23] per 128-bit lane
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// D = 16 NV: a query's NV vectors and its output's stay in registers.
+template <int NV> AVX512 void attend_pair512(const Pair& a) {
+  const int64_t D = a.D, L = a.Lp;
+  for (int64_t r = 0; r < a.R; ++r) {
     const int64_t c = a.count[r];
-    if (c <= 0) { total[r] = 0.0f; a.lse[r] = -INFINITY; continue; }
+    float* sr = a.s + r * L;
+    if (c <= 0) {
+      for (int t = 0; t < NV; ++t) _mm512_storeu_ps(a.o + r * D + 16 * t, _mm512_setzero_ps());
+      a.lse[r] = -INFINITY;
+      continue;
+    }
+    __m512 q[NV];
+    for (int t = 0; t < NV; ++t) q[t] = _mm512_loadu_ps(a.q + r * D + 16 * t);
+    auto dot = [&](int64_t j) AVX512 {
+      const float* kj = a.k + j * a.kstep;
+      const char* vj = reinterpret_cast<const char*>(a.v + j * a.vstep);
+      for (int t = 0; t < NV; ++t) _mm_prefetch(vj + 64 * t, _MM_HINT_T1);  // the values' pass reads it next
+      for (int t = 0; t < NV; ++t)  // the keys a page ahead: the hardware's prefetch stops at pages
+        _mm_prefetch(reinterpret_cast<const char*>(kj + kAhead * a.kstep) + 64 * t, _MM_HINT_T1);
+      __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kj));
+      for (int t = 1; t < NV; ++t) acc = _mm512_fmadd_ps(q[t], _mm512_loadu_ps(kj + 16 * t), acc);
+      return acc;
+    };
+    const __m128 scale4 = _mm_set1_ps(a.scale);
+    int64_t j = 0;
+    for (; j + 4 <= c; j += 4)  // scores, four keys at a time
+      _mm_storeu_ps(sr + j, _mm_mul_ps(hsum4x512(dot(j), dot(j + 1), dot(j + 2), dot(j + 3)), scale4));
+    for (; j < c; ++j) sr[j] = _mm512_reduce_add_ps(dot(j)) * a.scale;
     float m = sr[0];
-    for (int64_t j = 1; j < c; ++j) m = std::max(m, sr[j]);
+    for (j = 1; j < c; ++j) m = std::max(m, sr[j]);
     const __m512 mv = _mm512_set1_ps(m);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < c; j += 16) {
+    for (j = 0; j < c; j += 16) {  // exponentials, in order
       const __mmask16 live = j + 16 <= c ? 0xFFFF : static_cast<__mmask16>((1u << (c - j)) - 1);
       const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
       _mm512_storeu_ps(sr + j, e);
       sum = _mm512_add_ps(sum, e);
     }
-    total[r] = _mm512_reduce_add_ps(sum);
-    a.lse[r] = m + std::log(total[r]);
-  }
-  for (int64_t r = 0; r < a.R; ++r)
-    for (int64_t t = 0; t < nv; ++t) _mm512_storeu_ps(a.o + r * D + 16 * t, _mm512_setzero_ps());
-  for (int64_t j = 0; j < longest; ++j) {  // values: each read once for all the queries
-    const float* vj = a.v + j * a.vstep;
-    for (int64_t t = 0; t < nv; ++t) kv[t] = _mm512_loadu_ps(vj + 16 * t);
-    for (int64_t r = 0; r < a.R; ++r) {
-      if (j >= a.count[r]) continue;
-      const __m512 p = _mm512_set1_ps(a.s[r * L + j]);
-      float* orow = a.o + r * D;
-      for (int64_t t = 0; t < nv; ++t)
-        _mm512_storeu_ps(orow + 16 * t, _mm512_fmadd_ps(p, kv[t], _mm512_loadu_ps(orow + 16 * t)));
+    const float total = _mm512_reduce_add_ps(sum);
+    a.lse[r] = m + std::log(total);
+    __m512 acc[NV];
+    for (int t = 0; t < NV; ++t) acc[t] = _mm512_setzero_ps();
+    for (j = 0; j < c; ++j) {  // values
+      const float* vj = a.v + j * a.vstep;
+      const __m512 p = _mm512_set1_ps(sr[j]);
+      for (int t = 0; t < NV; ++t) acc[t] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * t), acc[t]);
     }
-  }
-  for (int64_t r = 0; r < a.R; ++r) {
-    if (a.count[r] <= 0) continue;
-    const __m512 d = _mm512_set1_ps(total[r]);
-    for (int64_t t = 0; t < nv; ++t)
-      _mm512_storeu_ps(a.o + r * D + 16 * t, _mm512_div_ps(_mm512_loadu_ps(a.o + r * D + 16 * t), d));
+    const __m512 d = _mm512_set1_ps(total);
+    for (int t = 0; t < NV; ++t) _mm512_storeu_ps(a.o + r * D + 16 * t, _mm512_div_ps(acc[t], d));
   }
 }
 
-AVX2 void attend_pair256(const Pair& a) {
-  const int64_t D = a.D, nv = D / 8, L = a.Lp;
-  int64_t longest = 0;
-  for (int64_t r = 0; r < a.R; ++r) longest = std::max(longest, a.count[r]);
-  __m256 kv[32];
-  for (int64_t j = 0; j < longest; ++j) {
-    const float* kj = a.k + j * a.kstep;
-    for (int64_t t = 0; t < nv; ++t) kv[t] = _mm256_loadu_ps(kj + 8 * t);
-    for (int64_t r = 0; r < a.R; ++r) {
-      if (j >= a.count[r]) continue;
-      const float* qr = a.q + r * D;
-      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), kv[0]);
-      for (int64_t t = 1; t < nv; ++t) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * t), kv[t], acc);
-      a.s[r * L + j] = hsum256(acc) * a.scale;
-    }
-  }
-  std::vector<float> total(a.R);
+AVX2 inline __m128 hsum4x256(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// D = 8 NV: attend_pair512 with 8-float vectors (the AVX2 CPUs')
+template <int NV> AVX2 void attend_pair256(const Pair& a) {
+  const int64_t D = a.D, L = a.Lp;
   for (int64_t r = 0; r < a.R; ++r) {
-    float* sr = a.s + r * L;
     const int64_t c = a.count[r];
-    if (c <= 0) { total[r] = 0.0f; a.lse[r] = -INFINITY; continue; }
+    float* sr = a.s + r * L;
+    if (c <= 0) {
+      for (int t = 0; t < NV; ++t) _mm256_storeu_ps(a.o + r * D + 8 * t, _mm256_setzero_ps());
+      a.lse[r] = -INFINITY;
+      continue;
+    }
+    __m256 q[NV];
+    for (int t = 0; t < NV; ++t) q[t] = _mm256_loadu_ps(a.q + r * D + 8 * t);
+    auto dot = [&](int64_t j) AVX2 {
+      const float* kj = a.k + j * a.kstep;
+      const char* vj = reinterpret_cast<const char*>(a.v + j * a.vstep);
+      for (int t = 0; t < NV; t += 2) {
+        _mm_prefetch(vj + 32 * t, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(kj + kAhead * a.kstep) + 32 * t, _MM_HINT_T1);
+      }
+      __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(kj));
+      for (int t = 1; t < NV; ++t) acc = _mm256_fmadd_ps(q[t], _mm256_loadu_ps(kj + 8 * t), acc);
+      return acc;
+    };
+    const __m128 scale4 = _mm_set1_ps(a.scale);
+    int64_t j = 0;
+    for (; j + 4 <= c; j += 4)
+      _mm_storeu_ps(sr + j, _mm_mul_ps(hsum4x256(dot(j), dot(j + 1), dot(j + 2), dot(j + 3)), scale4));
+    for (; j < c; ++j) sr[j] = hsum256(dot(j)) * a.scale;
     float m = sr[0];
-    for (int64_t j = 1; j < c; ++j) m = std::max(m, sr[j]);
-    for (int64_t j = c; j < (c + 7) / 8 * 8; ++j) sr[j] = -INFINITY;  // exp gives 0 there
+    for (j = 1; j < c; ++j) m = std::max(m, sr[j]);
+    for (j = c; j < (c + 7) / 8 * 8; ++j) sr[j] = -INFINITY;  // exp gives 0 there
     const __m256 mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < c; j += 8) {
+    for (j = 0; j < c; j += 8) {
       const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
       _mm256_storeu_ps(sr + j, e);
       sum = _mm256_add_ps(sum, e);
     }
-    total[r] = hsum256(sum);
-    a.lse[r] = m + std::log(total[r]);
-  }
-  for (int64_t r = 0; r < a.R; ++r)
-    for (int64_t t = 0; t < nv; ++t) _mm256_storeu_ps(a.o + r * D + 8 * t, _mm256_setzero_ps());
-  for (int64_t j = 0; j < longest; ++j) {
-    const float* vj = a.v + j * a.vstep;
-    for (int64_t t = 0; t < nv; ++t) kv[t] = _mm256_loadu_ps(vj + 8 * t);
-    for (int64_t r = 0; r < a.R; ++r) {
-      if (j >= a.count[r]) continue;
-      const __m256 p = _mm256_set1_ps(a.s[r * L + j]);
-      float* orow = a.o + r * D;
-      for (int64_t t = 0; t < nv; ++t)
-        _mm256_storeu_ps(orow + 8 * t, _mm256_fmadd_ps(p, kv[t], _mm256_loadu_ps(orow + 8 * t)));
+    const float total = hsum256(sum);
+    a.lse[r] = m + std::log(total);
+    __m256 acc[NV];
+    for (int t = 0; t < NV; ++t) acc[t] = _mm256_setzero_ps();
+    for (j = 0; j < c; ++j) {
+      const float* vj = a.v + j * a.vstep;
+      const __m256 p = _mm256_set1_ps(sr[j]);
+      for (int t = 0; t < NV; ++t) acc[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * t), acc[t]);
     }
-  }
-  for (int64_t r = 0; r < a.R; ++r) {
-    if (a.count[r] <= 0) continue;
-    const __m256 d = _mm256_set1_ps(total[r]);
-    for (int64_t t = 0; t < nv; ++t)
-      _mm256_storeu_ps(a.o + r * D + 8 * t, _mm256_div_ps(_mm256_loadu_ps(a.o + r * D + 8 * t), d));
+    const __m256 d = _mm256_set1_ps(total);
+    for (int t = 0; t < NV; ++t) _mm256_storeu_ps(a.o + r * D + 8 * t, _mm256_div_ps(acc[t], d));
   }
 }
 
@@ -436,7 +447,7 @@ at::Tensor argmax_rows(const at::Tensor& x, const std::string& want) {
 // q [n, KV, R, D] float32; keys, values [n, KV, L, D] float32 with unit stride in D and one
 // stride between positions (views of a pool segment's buffers); last [n, M] int64 with R a
 // multiple of M: query r of row i sees the keys 0..last[i][r % M] - since. D a multiple of 8,
-// at most 256 (of 16 for the AVX-512 kernel, else the AVX2 one runs). Returns the outputs
+// at most 128 (of 16 for the AVX-512 kernel, else the AVX2 one runs). Returns the outputs
 // [n, KV, R, D] and their log-sum-exps [n, KV, R] (natural; -inf and zeros for a query that
 // sees no key).
 std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const at::Tensor& keys,
@@ -449,14 +460,25 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
   TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == n && keys.size(1) == KV && keys.size(3) == D,
               "attention: keys and values must be [n, KV, L, D] for q [n, KV, R, D]");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: keys and values need unit stride in D");
-  TORCH_CHECK(D % 8 == 0 && D <= 256, "attention: D must be a multiple of 8, at most 256, got ", D);
+  TORCH_CHECK(D % 8 == 0 && D > 0 && D <= 128, "attention: D must be a multiple of 8, at most 128, got ", D);
   TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 2 && last.size(0) == n && last.size(1) > 0 &&
               R % last.size(1) == 0, "attention: last must be int64 [n, M] with M dividing q's R");
   static const std::string found = isa();
   TORCH_CHECK(!found.empty(), "attention: this CPU has neither AVX-512 nor AVX2");
   TORCH_CHECK(want.empty() || want == "avx2" || want == found,
               "attention: isa must be \"\", \"avx2\" or this CPU's (", found, "), got ", want);
-  auto fn = (found == "avx512" && want != "avx2" && D % 16 == 0) ? attend_pair512 : attend_pair256;
+  using Fn = void (*)(const Pair&);
+  // compiled per head size, the query's and the output's vectors in registers
+  static const Fn by512[] = {nullptr, attend_pair512<1>, attend_pair512<2>, attend_pair512<3>,
+                             attend_pair512<4>, attend_pair512<5>, attend_pair512<6>, attend_pair512<7>,
+                             attend_pair512<8>};
+  static const Fn by256[] = {nullptr, attend_pair256<1>, attend_pair256<2>, attend_pair256<3>,
+                             attend_pair256<4>, attend_pair256<5>, attend_pair256<6>, attend_pair256<7>,
+                             attend_pair256<8>, attend_pair256<9>, attend_pair256<10>, attend_pair256<11>,
+                             attend_pair256<12>, attend_pair256<13>, attend_pair256<14>, attend_pair256<15>,
+                             attend_pair256<16>};
+  const bool wide = found == "avx512" && want != "avx2" && D % 16 == 0;
+  const Fn fn = wide ? by512[D / 16] : by256[D / 8];
   const auto qs = q.contiguous();
   const auto lst = last.contiguous();
   const int64_t M = lst.size(1);
@@ -481,6 +503,11 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
       }
       const int64_t Lp = (longest + 15) / 16 * 16;
       scratch.resize(static_cast<size_t>(R * std::max<int64_t>(Lp, 16)));
+      if (p + 1 < p1) {  // the next pair's first keys, while this pair runs
+        const int64_t i2 = (p + 1) / KV, h2 = (p + 1) % KV;
+        const char* k2 = reinterpret_cast<const char*>(kp + i2 * keys.stride(0) + h2 * keys.stride(1));
+        for (int64_t line = 0; line < 32; ++line) _mm_prefetch(k2 + 64 * line, _MM_HINT_T1);
+      }
       const Pair a{qp + (i * KV + h) * R * D, kp + i * keys.stride(0) + h * keys.stride(1),
                    vp + i * values.stride(0) + h * values.stride(1), keys.stride(2), values.stride(2),
                    D, R, count.data(), static_cast<float>(scale), scratch.data(), std::max<int64_t>(Lp, 16),
