@@ -32,8 +32,11 @@ MIN_GAIN = 1.1
 
 
 class PlainThreads:
-    def __init__(self, narrow: int, wide: int, epoch_s: float = 0.5,
-                 min_passes: int = 8,
+    # Epochs of at least 1 s and 16 passes: with 0.5 s and 8, the rates of 16-session epochs
+    # swung by up to a fifth both ways and the choice flipped within seconds, so the mesh ran
+    # mostly on the thread count that serves less (docs/architecture.md, "Plain threads")
+    def __init__(self, narrow: int, wide: int, epoch_s: float = 1.0,
+                 min_passes: int = 16,
                  steal: Callable[[], tuple[int, int] | None] | None = None) -> None:
         if wide <= narrow:
             raise ValueError(f"plain threads ({wide}) must be more than the process's "
