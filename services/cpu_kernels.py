@@ -8,6 +8,8 @@ compiler on first use and loaded as PyTorch operators.
   about 17 us for the demo pair's 8,192 logits, against about 3 us here with the call. A
   verifier takes one per decoded token, so at 16 streams it was a tenth of the model thread's
   time (py-spy; docs/performance.md).
+- ``specmesh_cpu::attention``: the attention of a pass's pooled decode and verify rows, each
+  row over its own keys only (services/ragged_attention.py).
 
 Each kernel is compiled for AVX-512 and for AVX2 with F16C and FMA and picked at run time, so
 the library suits any x86-64 CPU with AVX2. It is kept in ``cache_dir`` per source and PyTorch
