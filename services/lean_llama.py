@@ -199,9 +199,11 @@ class LeanLlama(torch.nn.Module):
                         if len(r.tokens) <= POOL_ROW_MAX
                         and getattr(r.kv, "pool", None) is self.pool
                         and r.kv.slot is not None and r.start + len(r.tokens) <= limit)
-        # the call pads every row to the longest: a row far longer than the others (one long
+        # SDPA's call pads every row to the longest: a row far longer than the others (one long
         # document among chats) attends alone rather than making every row read its length
-        while len(pooled) > 1 and (pooled[-1][0] - pooled[-2][0]) * (len(pooled) - 1) > POOL_PAD:
+        # (the CPU kernel reads each row's own keys: nothing to pad)
+        while (not self.kernel_attention and len(pooled) > 1
+               and (pooled[-1][0] - pooled[-2][0]) * (len(pooled) - 1) > POOL_PAD):
             pooled.pop()
         return [b for _, b in pooled]
 

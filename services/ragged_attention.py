@@ -221,6 +221,7 @@ class Cascade:
     tok: torch.Tensor  # [N]
     pooled: list[PooledRows] = field(default_factory=list)
     alone: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
+    kernel: bool = False  # the CPU kernel attends the shared positions and the pooled rests
 
 
 def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequence[int],
@@ -242,6 +243,7 @@ def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequen
     return Cascade(rows=list(idx), shared=shared, tok=torch.tensor(tok, device=device),
                    pooled=plan(rows, mine, starts, pool, group, device, shared, columns,
                                kernel),
+                   kernel=kernel,
                    alone=alone)
 
 
@@ -264,8 +266,13 @@ def cascade(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int], pool,
                               cache.keys[:, :, c.shared:], cache.values[:, :, c.shared:], mask)
         o_s[:, :, c0:c1], lse_s[:, :, c0:c1] = out.reshape(KV, G, m, D), lse.reshape(KV, G, m)
     first = rows[c.rows[0]].kv.layers[layer]  # the shared positions: one copy for all
-    o_p, lse_p = attend_lse(q[:, c.tok].view(1, KV, G * N, D), first.keys[:, :, :c.shared],
-                            first.values[:, :, :c.shared], None)  # [1, KV, G N, D], [1, KV, G N]
+    grouped = q[:, c.tok].view(1, KV, G * N, D)  # every query sees all of them
+    keys, values = first.keys[:, :, :c.shared], first.values[:, :, :c.shared]
+    if c.kernel:
+        last = torch.full((1, 1), c.shared - 1, dtype=torch.long)
+        o_p, lse_p = torch.ops.specmesh_cpu.attention(grouped, keys, values, last, 0, D ** -0.5)
+    else:
+        o_p, lse_p = attend_lse(grouped, keys, values, None)  # [1, KV, G N, D], [1, KV, G N]
     o_p, lse_p = o_p.reshape(KV, G, N, D), lse_p.reshape(KV, G, N)
     lse = torch.logaddexp(lse_p, lse_s)
     out = (o_p * (lse_p - lse).exp()[..., None]
