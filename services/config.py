@@ -122,7 +122,7 @@ class ModelServiceConfig:
     max_draft_tokens: int = 16
     threads: int = 0
     max_queue: int = 64
-    max_batch: int = 16  # calls of different sessions run in one forward pass
+    max_batch: int = 32  # calls of different sessions run in one forward pass
     kind: str = "model"  # drafters: "model" or "ngram" (prompt lookup, no weights loaded)
     kv_budget_mb: int = 0  # KV cache memory budget; 0 = bounded by max_sessions only
     redis_url: str = ""  # register in this Redis (gateways with --discovery redis find it)
