@@ -188,36 +188,21 @@ AVX2 int64_t argmax256(const float* x, int64_t n) {
 
 // ---- attention of pooled rows: each (row, key head) over its own visible keys only
 // (services/ragged_attention.py). A row's G M queries share the head's keys; query r sees
-// keys 0..count[r]-1 of the row's view. Three passes over a row: scores (each key read once for
-// every query), their exponentials and sums, the values (each read once). Keys past a row's own
-// length are never read, so a row costs what its own cache holds, whatever the batch pads to.
-// Each query's sums run over its keys in order: its output does not depend on the batch, the
-// other queries of its row, or the threads.
+// keys 0..count[r]-1 of the row's view. Per query: its scores (four keys' dot products reduced
+// together), their exponentials and sum, then the values, with the query's and the output's
+// vectors in registers; the row's later queries read its keys and values again from L2. Keys
+// past a row's own length are never read, so a row costs what its own cache holds, whatever
+// the batch pads to. Each query's sums run over its keys in order: its output does not depend
+// on the batch, the other queries of its row, or the threads.
+// One build, AVX2 + FMA: an AVX-512 build of the same kernel ran whole passes within the
+// noise of this one on an AVX-512 CPU (the pass is bound by reading the caches), so it was
+// dropped (docs/performance.md, 2026-11-27).
+// Prefetch: the hardware's stops at every 4 KB page of a head's keys, so the kernel asks for
+// the keys a page ahead, each key's values (read next) and the next head's first keys, to L2.
 constexpr int64_t kAhead = 16;  // keys read ahead (4 KB at D = 64)
 constexpr float kExpLow = -87.3365447f;  // below this, expf is 0 here (2^n would be denormal)
 
 // Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, then 2^n
-AVX512 inline __m512 exp512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(kExpLow);
-  const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-  x = _mm512_max_ps(x, lo);
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626f));
-  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                  _mm512_set1_ps(0.5f)),
-                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(live, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
-}
-
 AVX2 inline __m256 exp256(__m256 x) {
   const __m256 lo = _mm256_set1_ps(kExpLow);
   const __m256 live = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
@@ -244,83 +229,23 @@ AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// One (row, key head): q [R, D]; keys and values: rows of D floats ``step`` apart; count [R];
-// s: scratch of R * Lp floats (Lp: the longest count rounded up to 16); o [R, D]; lse [R].
-struct Pair {
-  const float* q; const float* k; const float* v; int64_t kstep, vstep;
-  int64_t D, R; const int64_t* count; float scale; float* s; int64_t Lp; float* o; float* lse;
-};
-
 // The sums of four vectors' lanes, as four floats (each vector's lanes added in a fixed order)
-AVX512 inline __m128 hsum4x512(__m512 a, __m512 b, __m512 c, __m512 d) {
-  auto half = [](__m512 v) AVX512 {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
-  const __m256 ab = _mm256_hadd_ps(half(a), half(b)), cd = _mm256_hadd_ps(half(c), half(d));
-  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a01 b01 c01 d01 | a23 b23 c23 d23] per 128-bit lane
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-// D = 16 NV: a query's NV vectors and its output's stay in registers.
-template <int NV> AVX512 void attend_pair512(const Pair& a) {
-  const int64_t D = a.D, L = a.Lp;
-  for (int64_t r = 0; r < a.R; ++r) {
-    const int64_t c = a.count[r];
-    float* sr = a.s + r * L;
-    if (c <= 0) {
-      for (int t = 0; t < NV; ++t) _mm512_storeu_ps(a.o + r * D + 16 * t, _mm512_setzero_ps());
-      a.lse[r] = -INFINITY;
-      continue;
-    }
-    __m512 q[NV];
-    for (int t = 0; t < NV; ++t) q[t] = _mm512_loadu_ps(a.q + r * D + 16 * t);
-    auto dot = [&](int64_t j) AVX512 {
-      const float* kj = a.k + j * a.kstep;
-      const char* vj = reinterpret_cast<const char*>(a.v + j * a.vstep);
-      for (int t = 0; t < NV; ++t) _mm_prefetch(vj + 64 * t, _MM_HINT_T1);  // the values' pass reads it next
-      for (int t = 0; t < NV; ++t)  // the keys a page ahead: the hardware's prefetch stops at pages
-        _mm_prefetch(reinterpret_cast<const char*>(kj + kAhead * a.kstep) + 64 * t, _MM_HINT_T1);
-      __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kj));
-      for (int t = 1; t < NV; ++t) acc = _mm512_fmadd_ps(q[t], _mm512_loadu_ps(kj + 16 * t), acc);
-      return acc;
-    };
-    const __m128 scale4 = _mm_set1_ps(a.scale);
-    int64_t j = 0;
-    for (; j + 4 <= c; j += 4)  // scores, four keys at a time
-      _mm_storeu_ps(sr + j, _mm_mul_ps(hsum4x512(dot(j), dot(j + 1), dot(j + 2), dot(j + 3)), scale4));
-    for (; j < c; ++j) sr[j] = _mm512_reduce_add_ps(dot(j)) * a.scale;
-    float m = sr[0];
-    for (j = 1; j < c; ++j) m = std::max(m, sr[j]);
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
-    for (j = 0; j < c; j += 16) {  // exponentials, in order
-      const __mmask16 live = j + 16 <= c ? 0xFFFF : static_cast<__mmask16>((1u << (c - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
-      _mm512_storeu_ps(sr + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const float total = _mm512_reduce_add_ps(sum);
-    a.lse[r] = m + std::log(total);
-    __m512 acc[NV];
-    for (int t = 0; t < NV; ++t) acc[t] = _mm512_setzero_ps();
-    for (j = 0; j < c; ++j) {  // values
-      const float* vj = a.v + j * a.vstep;
-      const __m512 p = _mm512_set1_ps(sr[j]);
-      for (int t = 0; t < NV; ++t) acc[t] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * t), acc[t]);
-    }
-    const __m512 d = _mm512_set1_ps(total);
-    for (int t = 0; t < NV; ++t) _mm512_storeu_ps(a.o + r * D + 16 * t, _mm512_div_ps(acc[t], d));
-  }
-}
-
 AVX2 inline __m128 hsum4x256(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// D = 8 NV: attend_pair512 with 8-float vectors (the AVX2 CPUs')
-template <int NV> AVX2 void attend_pair256(const Pair& a) {
-  const int64_t D = a.D, L = a.Lp;
+// One (row, key head): q [R, D]; keys and values: rows of D floats ``step`` apart; count [R];
+// s: scratch of R * Lp floats (Lp: the longest count rounded up to 16, at least 16); o [R, D];
+// lse [R]. D = 8 NV, compiled per head size.
+struct Pair {
+  const float* q; const float* k; const float* v; int64_t kstep, vstep;
+  int64_t R; const int64_t* count; float scale; float* s; int64_t Lp; float* o; float* lse;
+};
+
+template <int NV> AVX2 void attend_pair(const Pair& a) {
+  constexpr int64_t D = 8 * NV;
+  const int64_t L = a.Lp;
   for (int64_t r = 0; r < a.R; ++r) {
     const int64_t c = a.count[r];
     float* sr = a.s + r * L;
@@ -447,12 +372,12 @@ at::Tensor argmax_rows(const at::Tensor& x, const std::string& want) {
 // q [n, KV, R, D] float32; keys, values [n, KV, L, D] float32 with unit stride in D and one
 // stride between positions (views of a pool segment's buffers); last [n, M] int64 with R a
 // multiple of M: query r of row i sees the keys 0..last[i][r % M] - since. D a multiple of 8,
-// at most 128 (of 16 for the AVX-512 kernel, else the AVX2 one runs). Returns the outputs
+// at most 128. Returns the outputs
 // [n, KV, R, D] and their log-sum-exps [n, KV, R] (natural; -inf and zeros for a query that
 // sees no key).
 std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const at::Tensor& keys,
                                                     const at::Tensor& values, const at::Tensor& last,
-                                                    int64_t since, double scale, const std::string& want) {
+                                                    int64_t since, double scale) {
   for (const auto* t : {&q, &keys, &values})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 4,
                 "attention: q, keys and values must be 4-D float32 CPU tensors");
@@ -463,22 +388,14 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
   TORCH_CHECK(D % 8 == 0 && D > 0 && D <= 128, "attention: D must be a multiple of 8, at most 128, got ", D);
   TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 2 && last.size(0) == n && last.size(1) > 0 &&
               R % last.size(1) == 0, "attention: last must be int64 [n, M] with M dividing q's R");
-  static const std::string found = isa();
-  TORCH_CHECK(!found.empty(), "attention: this CPU has neither AVX-512 nor AVX2");
-  TORCH_CHECK(want.empty() || want == "avx2" || want == found,
-              "attention: isa must be \"\", \"avx2\" or this CPU's (", found, "), got ", want);
+  static const bool runs = !isa().empty();
+  TORCH_CHECK(runs, "attention: this CPU has neither AVX-512 nor AVX2");
   using Fn = void (*)(const Pair&);
-  // compiled per head size, the query's and the output's vectors in registers
-  static const Fn by512[] = {nullptr, attend_pair512<1>, attend_pair512<2>, attend_pair512<3>,
-                             attend_pair512<4>, attend_pair512<5>, attend_pair512<6>, attend_pair512<7>,
-                             attend_pair512<8>};
-  static const Fn by256[] = {nullptr, attend_pair256<1>, attend_pair256<2>, attend_pair256<3>,
-                             attend_pair256<4>, attend_pair256<5>, attend_pair256<6>, attend_pair256<7>,
-                             attend_pair256<8>, attend_pair256<9>, attend_pair256<10>, attend_pair256<11>,
-                             attend_pair256<12>, attend_pair256<13>, attend_pair256<14>, attend_pair256<15>,
-                             attend_pair256<16>};
-  const bool wide = found == "avx512" && want != "avx2" && D % 16 == 0;
-  const Fn fn = wide ? by512[D / 16] : by256[D / 8];
+  static const Fn by_size[] = {nullptr, attend_pair<1>, attend_pair<2>, attend_pair<3>, attend_pair<4>,
+                               attend_pair<5>, attend_pair<6>, attend_pair<7>, attend_pair<8>,
+                               attend_pair<9>, attend_pair<10>, attend_pair<11>, attend_pair<12>,
+                               attend_pair<13>, attend_pair<14>, attend_pair<15>, attend_pair<16>};
+  const Fn fn = by_size[D / 8];
   const auto qs = q.contiguous();
   const auto lst = last.contiguous();
   const int64_t M = lst.size(1);
@@ -494,15 +411,19 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
   at::parallel_for(0, n * KV, 1, [&](int64_t p0, int64_t p1) {
     std::vector<int64_t> count(R);
     std::vector<float> scratch;
+    int64_t row = -1, Lp = 0;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t i = p / KV, h = p % KV;
-      int64_t longest = 0;
-      for (int64_t r = 0; r < R; ++r) {
-        count[r] = std::clamp<int64_t>(lp[i * M + r % M] - since + 1, 0, L);
-        longest = std::max(longest, count[r]);
+      if (i != row) {  // the row's queries' counts, the same for each of its heads
+        row = i;
+        int64_t longest = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          count[r] = std::clamp<int64_t>(lp[i * M + r % M] - since + 1, 0, L);
+          longest = std::max(longest, count[r]);
+        }
+        Lp = std::max<int64_t>(16, (longest + 15) / 16 * 16);
+        scratch.resize(static_cast<size_t>(R * Lp));
       }
-      const int64_t Lp = (longest + 15) / 16 * 16;
-      scratch.resize(static_cast<size_t>(R * std::max<int64_t>(Lp, 16)));
       if (p + 1 < p1) {  // the next pair's first keys, while this pair runs
         const int64_t i2 = (p + 1) / KV, h2 = (p + 1) % KV;
         const char* k2 = reinterpret_cast<const char*>(kp + i2 * keys.stride(0) + h2 * keys.stride(1));
@@ -510,7 +431,7 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
       }
       const Pair a{qp + (i * KV + h) * R * D, kp + i * keys.stride(0) + h * keys.stride(1),
                    vp + i * values.stride(0) + h * values.stride(1), keys.stride(2), values.stride(2),
-                   D, R, count.data(), static_cast<float>(scale), scratch.data(), std::max<int64_t>(Lp, 16),
+                   R, count.data(), static_cast<float>(scale), scratch.data(), Lp,
                    op + (i * KV + h) * R * D, sp + (i * KV + h) * R};
       fn(a);
     }
@@ -523,7 +444,7 @@ std::string cpu_isa() { return isa(); }
 TORCH_LIBRARY(specmesh_cpu, m) {
   m.def("linear(Tensor x, Tensor wp, int n, str isa=\"\") -> Tensor", &half_linear);
   m.def("argmax(Tensor x, str isa=\"\") -> Tensor", &argmax_rows);
-  m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor last, int since, float scale, "
-        "str isa=\"\") -> (Tensor, Tensor)", &pooled_attention);
+  m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor last, int since, float scale) "
+        "-> (Tensor, Tensor)", &pooled_attention);
   m.def("isa() -> str", &cpu_isa);
 }
