@@ -162,12 +162,12 @@ def _written_and_padded(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor
     return padded, keys[window, :, p.since:p.keys], values[window, :, p.since:p.keys]
 
 
-def _kernel(p: PooledRows, grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU kernel's attention of the padded queries [n, KV, G M, D] over their slots'
-    keys from ``p.since`` on, each row's own only: outputs and log-sum-exps [n, KV, G M]."""
-    return torch.ops.specmesh_cpu.attention(grouped, keys, values, p.last, p.since,
-                                            grouped.shape[-1] ** -0.5)
+def kernel_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     last: torch.Tensor, since: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU kernel (services/csrc/cpu_kernels.cpp): queries q [n, KV, R, D] over keys and
+    values [n, KV, L, D] that begin at position ``since``, query r of row i seeing those up to
+    ``last[i, r % M]`` (last [n, M]); outputs [n, KV, R, D] and log-sum-exps [n, KV, R]."""
+    return torch.ops.specmesh_cpu.attention(q, keys, values, last, since, q.shape[-1] ** -0.5)
 
 
 def attend(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
@@ -177,7 +177,7 @@ def attend(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor], q: torch.T
     H, _, D = q.shape
     grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
     if p.mask is None:
-        out = _kernel(p, grouped, keys, values)[0]
+        out = kernel_attention(grouped, keys, values, p.last, p.since)[0]
     else:
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=p.mask)
     if p.dense:
@@ -203,7 +203,7 @@ def _attend_slots_lse(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor],
     KV = k.shape[0]
     G = q.shape[0] // KV
     grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
-    out, lse = (_kernel(p, grouped, keys, values) if p.mask is None
+    out, lse = (kernel_attention(grouped, keys, values, p.last, p.since) if p.mask is None
                 else attend_lse(grouped, keys, values, p.mask))  # [n, KV, G M, D], [n, KV, G M]
     out = out.reshape(p.n, KV, G, p.width, -1)[p.rel, :, :, p.j]  # [P, KV, G, D]
     lse = lse.reshape(p.n, KV, G, p.width)[p.rel, :, :, p.j]  # [P, KV, G]
@@ -221,7 +221,9 @@ class Cascade:
     tok: torch.Tensor  # [N]
     pooled: list[PooledRows] = field(default_factory=list)
     alone: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
-    kernel: bool = False  # the CPU kernel attends the shared positions and the pooled rests
+    # with the CPU kernel, every query's last shared position [1, 1] (made once a pass; the
+    # pooled rests' plans carry their own): None where SDPA attends
+    shared_last: torch.Tensor | None = None
 
 
 def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequence[int],
@@ -243,7 +245,8 @@ def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequen
     return Cascade(rows=list(idx), shared=shared, tok=torch.tensor(tok, device=device),
                    pooled=plan(rows, mine, starts, pool, group, device, shared, columns,
                                kernel),
-                   kernel=kernel,
+                   shared_last=torch.full((1, 1), shared - 1, dtype=torch.long,
+                                          device=device) if kernel else None,
                    alone=alone)
 
 
@@ -268,9 +271,8 @@ def cascade(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int], pool,
     first = rows[c.rows[0]].kv.layers[layer]  # the shared positions: one copy for all
     grouped = q[:, c.tok].view(1, KV, G * N, D)  # every query sees all of them
     keys, values = first.keys[:, :, :c.shared], first.values[:, :, :c.shared]
-    if c.kernel:
-        last = torch.full((1, 1), c.shared - 1, dtype=torch.long)
-        o_p, lse_p = torch.ops.specmesh_cpu.attention(grouped, keys, values, last, 0, D ** -0.5)
+    if c.shared_last is not None:
+        o_p, lse_p = kernel_attention(grouped, keys, values, c.shared_last)
     else:
         o_p, lse_p = attend_lse(grouped, keys, values, None)  # [1, KV, G N, D], [1, KV, G N]
     o_p, lse_p = o_p.reshape(KV, G, N, D), lse_p.reshape(KV, G, N)
