@@ -13,9 +13,10 @@ compiler on first use and loaded as PyTorch operators.
 
 The linear and argmax kernels are compiled for AVX-512 and for AVX2 with F16C and FMA and
 picked at run time; the attention kernel for AVX2 with FMA only (bound by reading the caches,
-an AVX-512 build was no faster). So the library suits any x86-64 CPU with AVX2. It is kept in ``cache_dir`` per source and PyTorch
-version, or shipped beside the source by an image built with a compiler (``prebuild``). Without
-either, or on another CPU, ``kernel`` says why and the callers keep PyTorch's operators.
+an AVX-512 build was no faster). So the library suits any x86-64 CPU with AVX2. It is kept in
+``cache_dir`` per source and PyTorch version, or shipped beside the source by an image built with
+a compiler (``prebuild``). Without either, or on another CPU, ``kernel`` says why and the
+callers keep PyTorch's operators.
 """
 
 from __future__ import annotations
