@@ -10,12 +10,12 @@ default policy, ``num_draft_tokens=0``; it replaces the former ``adaptive``, the
 (HF assisted generation, its own defaults). The HF rows use the torch threads of the mesh's
 verifier and model drafter together (``--threads`` × 2, at most the CPU count).
 
-A level of concurrency N runs max(P, N) requests for P prompts: N workers, worker i takes
-requests i, i+N, i+2N, ... and request j uses prompt j mod P, so every prompt runs at every
-level. The level's wall time runs from the moment every worker is connected until the last
-request ends. All decoding is greedy, so every output must equal target-only's (the lossless
-guarantee, reported as ``outputs match``). Speedups, the targets and the serving path's
-overhead: specmesh.bench_baselines.
+A level of concurrency N runs max(P, R·N) requests for P prompts and ``--per-stream`` R: N
+workers, worker i takes requests i, i+N, i+2N, ... and request j uses prompt j mod P, so every
+prompt runs at every level and every stream runs at least R requests. The level's wall time
+runs from the moment every worker is connected until the last request ends. All decoding is
+greedy, so every output must equal target-only's (the lossless guarantee, reported as ``outputs
+match``). Speedups, the targets and the serving path's overhead: specmesh.bench_baselines.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import typer
 
 from services import steal
 from specmesh import bench_baselines, bench_report
+from specmesh.bench_cells import mode_row, peer_row
 from specmesh.bench_costs import ServiceProbe, cost_figures, gateway_figures, model_info
-from specmesh.bench_gateway import run_level, stream_one_client
+from specmesh.bench_gateway import stream_one_client
 from specmesh.bench_machine import ProcessCpu, count_params, machine_info, wait_quiet
 from specmesh.bench_modes import (
     DEFAULT_MODE_KEYS,
@@ -56,6 +57,7 @@ class BenchOptions:
     seed: int = 0
     timeout_s: float = 600.0
     repeat: int = 1  # runs of every cell; its row is the median run
+    per_stream: int = 4  # a cell runs at least this many requests a stream (cell_requests)
     max_steal: float = 0.05  # a cell run with more of the CPUs' time stolen than this ...
     steal_reruns: int = 1  # ... runs again up to this many times; the least stolen run counts
 
@@ -94,9 +96,9 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
                 for _ in range(1 + opts.steal_reruns):  # (a VM's host took CPU time meanwhile)
                     settle_s = wait_quiet()  # (the previous cell's engine may still spin)
                     clock = steal.read()
-                    row = (_peer_row(*cell, texts, c, opts, progress, outputs, tag)
+                    row = (peer_row(*cell, texts, c, opts, progress, outputs, tag)
                            if isinstance(cell, tuple) else
-                           _mode_row(address, cell, texts, c, opts, probe, cpu, progress,
+                           mode_row(address, cell, texts, c, opts, probe, cpu, progress,
                                      outputs, tag))
                     tried.append({**row, "settle_s": settle_s,
                                   "steal": steal.share(clock, steal.read())})
@@ -119,47 +121,6 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
                  for r in outputs.get((TARGET_KEY, opts.concurrency[0]), []) if not r["error"]}
     baselines = bench_baselines.baselines(rows, base, {m.key: m.label for m in modes})
     return {"rows": rows, "costs": costs, "baselines": baselines, "reference_outputs": reference}
-
-
-def _cpu_during(cpu: ProcessCpu | None, work):
-    """(what ``work()`` returns, the CPU seconds each of ``cpu``'s processes used meanwhile,
-    by name; None without processes to measure)."""
-    if cpu is None:
-        return work(), None
-    before = cpu.by_name()
-    result = work()
-    return result, {name: s - before.get(name, 0.0) for name, s in cpu.by_name().items()}
-
-
-def _mode_row(address: str, mode: Mode, texts: list[str], c: int, opts: BenchOptions,
-              probe: ServiceProbe, cpu: ProcessCpu | None, progress, outputs: dict,
-              tag: str = "") -> dict:
-    """One run of a gateway mode's cell; its records join ``outputs``."""
-    advance = progress(f"{mode.label} @ {c}{tag}", max(len(texts), c))
-    before = probe.snapshot()
-    (records, wall), by_process = _cpu_during(
-        cpu, lambda: run_level(address, mode, texts, c, opts, advance))
-    services = probe.delta(before, probe.snapshot())
-    outputs.setdefault((mode.key, c), []).extend(records)
-    alpha = (bench_report.per_token_alpha(records, mode.k, opts.max_new_tokens)
-             if mode.k and not mode.disable else None)
-    summary = bench_report.summarize(records, wall)
-    return {"mode": mode.key, "label": mode.label, "concurrency": c, **summary, "alpha": alpha,
-            **bench_report.cpu_figures(by_process, summary["tokens"]),
-            **gateway_figures(services.get("gateway")), "services": services}
-
-
-def _peer_row(peer: Peer, model: str, texts: list[str], c: int, opts: BenchOptions, progress,
-              outputs: dict, tag: str = "") -> dict:
-    advance = progress(f"{peer.name} @ {c}{tag}", max(len(texts), c))
-    cpu = ProcessCpu.serving(peer.url)  # found per cell: a peer may be restarted in between
-    (records, wall), by_process = _cpu_during(cpu, lambda: run_peer_level(
-        peer, model, texts, c, opts.max_new_tokens, opts.timeout_s, advance))
-    outputs.setdefault((peer.key, c), []).extend(records)
-    summary = bench_report.summarize(records, wall)
-    return {"mode": peer.key, "label": f"{peer.name} ({peer.url}, {model})", "concurrency": c,
-            **summary, "alpha": None, **bench_report.cpu_figures(by_process, summary["tokens"]),
-            **gateway_figures(None), "services": None}
 
 
 def run_hf_rows(pair: tuple[str, str], modes: list[Mode], texts: list[str], opts: BenchOptions,
@@ -269,6 +230,10 @@ def bench(
         min=1, help="Run every (mode, concurrency) cell N times, each pass over a level's "
                     "cells in the other order, and report each cell's run with the median "
                     "tokens/s (every run's tokens/s in the runs column and bench.json).")] = 1,
+    per_stream: Annotated[int, typer.Option(
+        min=1, help="Requests a stream runs at least in each cell: a level of N streams runs "
+                    "max(prompts, N × this) requests, prompts in turn, so that its wall time "
+                    "is not mostly its start and its tail.")] = 4,
     peer: Annotated[list[str] | None, typer.Option(
         help="NAME=URL of an OpenAI-compatible server (vLLM, llama.cpp's llama-server, ...) "
              "to run the same prompts against at every concurrency level, in the same run; "
@@ -330,7 +295,7 @@ def bench(
         raise typer.BadParameter(f"--peer: a peer does not answer at its /models: {exc}") from exc
     opts = BenchOptions(concurrency=levels, k=k, max_new_tokens=max_new_tokens, threads=threads,
                         device=device, seed=seed, timeout_s=timeout, repeat=repeat,
-                        max_steal=max_steal, steal_reruns=steal_reruns)
+                        per_stream=per_stream, max_steal=max_steal, steal_reruns=steal_reruns)
     chosen = load_prompts(prompt_file or PROMPTS_PATH, prompts)
     mode_list = make_modes(keys, k)
     if not addr and not target:
@@ -381,7 +346,8 @@ def bench(
     report = {
         "machine": {**machine, "load_average_end": list(os.getloadavg())},
         "settings": {"concurrency": levels, "k": k, "max_new_tokens": max_new_tokens,
-                     "repeat": repeat, "max_steal": max_steal, "steal_reruns": steal_reruns,
+                     "repeat": repeat, "per_stream": per_stream, "max_steal": max_steal,
+                     "steal_reruns": steal_reruns,
                      "modes": keys, "threads": threads,
                      "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
                      "drafter_device": drafter_device,

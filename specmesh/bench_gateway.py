@@ -8,7 +8,7 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from specmesh.bench_workers import run_workers
+from specmesh.bench_workers import cell_requests, run_workers
 
 if TYPE_CHECKING:
     from specmesh.bench import BenchOptions
@@ -57,9 +57,9 @@ def stream_one(client, prompt_index: int, prompt: str, mode: Mode, opts: BenchOp
 
 def run_level(address: str, mode: Mode, prompts: list[str], concurrency: int,
               opts: BenchOptions, advance=None) -> tuple[list[dict], float]:
-    """One cell: ``concurrency`` workers over max(P, concurrency) requests (specmesh.bench's
+    """One cell: ``concurrency`` workers over ``cell_requests`` requests (specmesh.bench's
     docstring). Returns the records (sorted by prompt) and the wall time."""
-    n = max(len(prompts), concurrency)
+    n = cell_requests(len(prompts), concurrency, opts.per_stream)
     return run_workers(
         concurrency, n, lambda client, j: stream_one(client, j % len(prompts),
                                                      prompts[j % len(prompts)], mode, opts),

@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from specmesh.bench_workers import run_workers
+from specmesh.bench_workers import cell_requests, run_workers
 
 PEER_PREFIX = "peer:"
 
@@ -101,11 +101,11 @@ def complete_one(peer: Peer, model: str, prompt_index: int, prompt: str, max_new
 
 
 def run_peer_level(peer: Peer, model: str, prompts: list[str], concurrency: int,
-                   max_new_tokens: int, timeout_s: float, advance=None
+                   max_new_tokens: int, timeout_s: float, advance=None, per_stream: int = 1
                    ) -> tuple[list[dict], float]:
-    """One cell, as the mesh's rows run theirs (specmesh.bench_workers.run_workers): the
-    records (sorted by prompt) and the wall time."""
-    n = max(len(prompts), concurrency)
+    """One cell, as the mesh's rows run theirs (specmesh.bench_workers.run_workers, over
+    ``cell_requests``): the records (sorted by prompt) and the wall time."""
+    n = cell_requests(len(prompts), concurrency, per_stream)
     return run_workers(
         concurrency, n, lambda _, j: complete_one(peer, model, j % len(prompts),
                                                   prompts[j % len(prompts)], max_new_tokens,

@@ -284,7 +284,8 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
     out = tmp_path / "bench"
     result = CliRunner().invoke(app, ["bench", "--target", target, "--drafter", draft,
                                       "--concurrency", "1,2", "--prompts", "3",
-                                      "--max-new-tokens", "16", "--out", str(out)])
+                                      "--per-stream", "2", "--max-new-tokens", "16",
+                                      "--out", str(out)])
     report = json.loads((out / "bench.json").read_text())
     assert result.exit_code == 0, (result.output, [(r["label"], r["concurrency"],
                                                     r["error_details"]) for r in report["rows"]])
@@ -293,10 +294,13 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
     hf_modes = ("hf-plain", "hf", "hf-default")
     assert set(rows) == ({(m, c) for m in gateway_modes for c in (1, 2)}
                          | {(m, 1) for m in hf_modes})
+    assert report["settings"]["per_stream"] == 2
     plain = rows[("hf-plain", 1)]
     for (mode, c), r in rows.items():
         assert r["errors"] == 0, r["error_details"]
-        assert r["requests"] == 3  # every prompt once per level
+        # max(P, R·N): every prompt at least once, every stream at least R = 2 requests
+        # (the HF rows run each prompt once)
+        assert r["requests"] == (4 if c == 2 else 3), (mode, c, r["requests"])
         assert r["outputs_match"] is True, (mode, c, r["mismatched_prompts"])  # lossless
         assert r["tokens_per_round"] >= 1.0
         # the speedup base is plain HF generate (concurrency 1) for every row
@@ -382,7 +386,8 @@ def test_a_cell_run_while_the_host_stole_much_runs_again(tiny_pair, tmp_path, mo
 
     target, draft = tiny_pair
     args = ["bench", "--target", target, "--drafter", draft, "--modes", "target", "--no-hf",
-            "--concurrency", "1,2", "--prompts", "2", "--max-new-tokens", "8"]
+            "--concurrency", "1,2", "--prompts", "2", "--max-new-tokens", "8", "--per-stream",
+            "1"]
     monkeypatch.setattr(bench.steal, "read", fake_clock([0.5, 0.01]))
     result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output
@@ -414,7 +419,7 @@ def test_bench_repeats_each_cell_and_reports_its_median_run(tiny_pair, tmp_path)
     result = CliRunner().invoke(app, ["bench", "--target", target, "--drafter", draft,
                                       "--modes", "target,model", "--no-hf", "--concurrency",
                                       "1,2", "--prompts", "2", "--max-new-tokens", "8",
-                                      "--repeat", "3", "--drafter-device", "cpu",
+                                      "--per-stream", "1", "--repeat", "3", "--drafter-device", "cpu",
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
@@ -453,7 +458,7 @@ def test_the_bench_can_run_its_local_mesh_with_several_verifiers(tiny_pair, tmp_
     result = CliRunner().invoke(app, ["bench", "--target", target, "--drafter", draft,
                                       "--modes", "target,model", "--no-hf", "--concurrency",
                                       "4", "--prompts", "4", "--max-new-tokens", "8",
-                                      "--verifier-replicas", "2", "--out", str(out)])
+                                      "--per-stream", "1", "--verifier-replicas", "2", "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     assert report["settings"]["verifier_replicas"] == 2
@@ -498,6 +503,7 @@ def test_bench_shared_prefix_reuses_the_verifiers_prefix_cache(tiny_pair, tmp_pa
     result = CliRunner().invoke(app, ["bench", "--target", target, "--drafter", draft,
                                       "--concurrency", "1", "--prompts", "2", "--modes",
                                       "target,default", "--no-hf", "--shared-prefix", "200",
+                                      "--per-stream", "1",
                                       "--max-new-tokens", "8", "--out", str(out)])
     report = json.loads((out / "bench.json").read_text())
     assert result.exit_code == 0, result.output
