@@ -289,10 +289,12 @@ def test_tree_visibility_is_each_branch_prefix_and_its_own_tokens():
                        [1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 1]]
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["per-query", "dense"])
 @pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "cpu-kernel"])
 @pytest.mark.parametrize("slots", ["pool", "own", "mixed"])
 def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models, slots,
-                                                                         monkeypatch, kernel):
+                                                                         monkeypatch, kernel,
+                                                                         dense):
     """Cascade attention: rows whose caches begin with the same 160 tokens (the same chained
     prefix-block hashes, as the verifier's sessions restored from its prefix cache carry)
     are grouped and attend to that prefix once per layer, merged with their own suffix by
@@ -300,14 +302,19 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     and of several new tokens, a row whose new tokens start right after the prefix, and a
     row that shares nothing in the same pass; the rows' caches in pool slots (their rests
     attended in one call), in buffers of their own (one call each), or some of each; the
-    pooled rests attended by SDPA or by the CPU kernel. A wrong merge, mask or offset shows
-    here."""
+    pooled rests attended by SDPA or by the CPU kernel, the shared prefix by the same or as
+    matrix products (``dense_lse``). A wrong merge, mask or offset shows here."""
     from services import cpu_kernels, ragged_attention
     from services.batching import shared_prefixes
 
     hf, lean = models
     monkeypatch.setattr(lean, "kernel_attention", kernel and cpu_kernels.kernel() == "")
     assert lean.kernel_attention == kernel
+    monkeypatch.setattr(ragged_attention, "DENSE_MIN", 1 if dense else 10**9)
+    dense_lse = ragged_attention.dense_lse
+    dense_calls = []
+    monkeypatch.setattr(ragged_attention, "dense_lse",
+                        lambda *a: dense_calls.append(1) or dense_lse(*a))
     prefix = _ids(hf, 160, 99)
     chain = list(range(1000, 1010))  # 10 blocks of 16: SessionCache.hashes
     other = list(range(5000, 5011))
@@ -335,6 +342,7 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     got = forward_rows(lean, lean_rows, "cpu", _no_batch_cache)
     segments = {"pool": 1, "own": 0, "mixed": 1}[slots]  # rows 0, 2, 4 in slots when mixed
     assert calls == [(160, segments)] * hf.config.num_hidden_layers  # one group, every layer
+    assert len(dense_calls) == (hf.config.num_hidden_layers if dense else 0)
     for (past, new, _), ref, out, row in zip(plan, refs, got, lean_rows, strict=True):
         torch.testing.assert_close(out, ref, **TOL)
         assert row.kv.get_seq_length() == len(past) + new

@@ -1,7 +1,8 @@
 """The CPU kernel that attends a pass's pooled rows (``specmesh_cpu::attention``,
 services/csrc/cpu_kernels.cpp; services/ragged_attention.py uses it): against PyTorch's own
 CPU flash kernel with the mask the plan would have made, what it must never read, and the
-independence of a row's floats from its batch. The passes through the lean forward with it
+independence of a row's floats from its batch; and a cascade's shared prefix attended as
+matrix products (``dense_lse``) against the same flash kernel. The passes through the lean forward with it
 are tested beside SDPA's in tests/test_kv_pool.py and tests/test_lean_forward.py.
 """
 
@@ -113,3 +114,24 @@ def test_head_sizes_the_kernel_does_not_take_are_refused(d):
     q, keys, values, last = _case(1, 1, 1, 1, d, 10, 0)
     with pytest.raises(RuntimeError, match="multiple of 8, at most 128, got " + str(d)):
         torch.ops.specmesh_cpu.attention(q, keys, values, last, 0, 0.125)
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0], ids=["plain", "scores-that-overflow-exp"])
+def test_a_shared_prefix_as_matrix_products_gives_pytorchs_flash_attention(scale):
+    """``dense_lse`` (a cascade's shared prefix for many queries: every query sees every key)
+    against PyTorch's CPU flash kernel with no mask, outputs and log-sum-exps, over views of
+    slot buffers as the pool lays them out; scores far beyond exp's float32 range must come
+    out finite (the maximum is taken out before exp)."""
+    from services.ragged_attention import dense_lse
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 3, 1024, 64, generator=g)[:, :, :800]
+    values = torch.randn(1, 3, 1024, 64, generator=g)[:, :, :800]
+    q = torch.randn(1, 3, 32, 64, generator=g) * scale
+    want, want_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys, values, 0.0, False)[:2]
+    got, lse = dense_lse(q, keys, values)
+    assert got.shape == (1, 3, 32, 64) and lse.shape == (1, 3, 32) and lse.dtype == torch.float32
+    assert torch.isfinite(got).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=2e-5)
