@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -317,6 +318,41 @@ Kernel kernel_for(bool bf16, const std::string& want) {
 
 }  // namespace
 
+namespace {
+
+// Runs body(claim) on each of torch's threads, where claim() hands out consecutive ranges
+// [i0, i1) of 0..total - 1, each index once, then an empty range: a thread takes the next
+// range when it has finished its last, each range a share of what is left ("guided", as
+// OpenMP calls it: long runs first, so a thread streams its weights in order, then shorter
+// ones to even out the end). at::parallel_for splits the range evenly up front, so a thread
+// that the OS deschedules for a while (the gateway and Redis share these cores) held up the
+// whole call with its half undone; here the other threads take that work. Which thread
+// computes an output changes nothing in it: each is summed by one thread in a fixed order.
+struct Range {
+  int64_t begin, end;
+};
+
+template <typename Body>
+void parallel_claims(int64_t total, const Body& body) {
+  const int threads = at::get_num_threads();
+  std::atomic<int64_t> next{0};
+  const auto claim = [&]() -> Range {
+    int64_t i = next.load(std::memory_order_relaxed);
+    while (i < total) {
+      const int64_t take = std::max<int64_t>(1, (total - i) / (2 * threads));
+      if (next.compare_exchange_weak(i, i + take, std::memory_order_relaxed)) return {i, i + take};
+    }
+    return {total, total};
+  };
+  if (threads <= 1 || total <= 1 || at::in_parallel_region()) {
+    body(claim);
+    return;
+  }
+  at::parallel_for(0, std::min<int64_t>(threads, total), 1, [&](int64_t, int64_t) { body(claim); });
+}
+
+}  // namespace
+
 // x [..., K] float32; wp [NB, K, 16] float16 or bfloat16 (NB * 16 a multiple of 32); n: the
 // layer's N <= NB * 16; isa: "" (the CPU's best) or "avx2". Returns [..., n] float32.
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const std::string& isa) {
@@ -337,15 +373,16 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
   const auto* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   const int64_t tiles = Np / kern.width;
   if (M > 0) {
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
+    parallel_claims(tiles, [&](const auto& claim) {
+      for (Range got = claim(); got.begin < got.end; got = claim())
+        for (int64_t t = got.begin; t < got.end; ++t) {
         const int64_t col = t * kern.width;  // the tile's first output
         const uint16_t* wt = w + (col / kBlock) * K * kBlock;
         for (int64_t m = 0; m < M; m += kern.rows) {
           const int r = static_cast<int>(std::min<int64_t>(kern.rows, M - m));
           kern.tiles[r](xp + m * K, K, wt, K, yp + m * Np + col, Np);
         }
-      }
+        }
     });
   }
   auto shape = x.sizes().vec();
@@ -408,11 +445,13 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
   float* op = out.data_ptr<float>();
   float* sp = lse.data_ptr<float>();
   if (n * KV * R == 0) return {out, lse};
-  at::parallel_for(0, n * KV, 1, [&](int64_t p0, int64_t p1) {
+  parallel_claims(n * KV, [&](const auto& claim) {
     std::vector<int64_t> count(R);
     std::vector<float> scratch;
     int64_t row = -1, Lp = 0;
-    for (int64_t p = p0; p < p1; ++p) {
+    for (Range got = claim(); got.begin < got.end; got = claim())
+    for (int64_t p = got.begin; p < got.end; ++p) {
+      const int64_t after = p + 1 < got.end ? p + 1 : -1;
       const int64_t i = p / KV, h = p % KV;
       if (i != row) {  // the row's queries' counts, the same for each of its heads
         row = i;
@@ -424,8 +463,8 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
         Lp = std::max<int64_t>(16, (longest + 15) / 16 * 16);
         scratch.resize(static_cast<size_t>(R * Lp));
       }
-      if (p + 1 < p1) {  // the next pair's first keys, while this pair runs
-        const int64_t i2 = (p + 1) / KV, h2 = (p + 1) % KV;
+      if (after >= 0) {  // the next pair's first keys, while this pair runs
+        const int64_t i2 = after / KV, h2 = after % KV;
         const char* k2 = reinterpret_cast<const char*>(kp + i2 * keys.stride(0) + h2 * keys.stride(1));
         for (int64_t line = 0; line < 32; ++line) _mm_prefetch(k2 + 64 * line, _MM_HINT_T1);
       }
