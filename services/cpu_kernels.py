@@ -10,9 +10,11 @@ compiler on first use and loaded as PyTorch operators.
   time (py-spy; docs/performance.md).
 - ``specmesh_cpu::attention``: the attention of a pass's pooled decode and verify rows, each
   row over its own keys only (services/ragged_attention.py).
+- ``specmesh_cpu::rms_norm``: transformers' LlamaRMSNorm of float32 rows in one operator
+  (PyTorch's runs six on a CPU: ~40 us a call inside a pass; services/lean_llama.py ``_rms``).
 
 The linear and argmax kernels are compiled for AVX-512 and for AVX2 with F16C and FMA and
-picked at run time; the attention kernel for AVX2 with FMA only (bound by reading the caches,
+picked at run time; the attention and norm kernels for AVX2 with FMA only (bound by reading the caches,
 an AVX-512 build was no faster). So the library suits any x86-64 CPU with AVX2. It is kept in
 ``cache_dir`` per source and PyTorch version, or shipped beside the source by an image built with
 a compiler (``prebuild``). Without either, or on another CPU, ``kernel`` says why and the

@@ -155,6 +155,10 @@ class LeanLlama(torch.nn.Module):
             half and self.pool is not None and weight.device.type == "cpu"
             and weight.dtype == torch.float32 and self._head_dim % 8 == 0
             and self._head_dim <= 128 and not cpu_kernels.kernel())
+        # RMS norms of float32 activations on a CPU in the project's kernel (one operator
+        # for PyTorch's six; ``_rms``)
+        self.kernel_norm = bool(half and weight.device.type == "cpu"
+                                and weight.dtype == torch.float32 and not cpu_kernels.kernel())
         # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
         self.graphs = None if not (graphs and self.pool) else DecodeGraphs(
             self, capture=weight.device.type == "cuda", row_max=POOL_ROW_MAX)
@@ -208,12 +212,18 @@ class LeanLlama(torch.nn.Module):
         return [b for _, b in pooled]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """transformers' LlamaRMSNorm. In float32, PyTorch's own ``rms_norm``: one operator
-        for six. On the CPU it runs the same operators inside, and its floats are
-        transformers' own (a test checks they are equal); on a GPU, where a pass is bound
-        by kernel launches, it computes differently (the logits' largest distance from
-        transformers' went from 1.5e-5 to 1.3e-5 on an H100).
+        """transformers' LlamaRMSNorm. In float32 on a CPU with the project's kernels
+        (``kernel_norm``), ``specmesh_cpu::rms_norm``: the same products in the same order,
+        the squares summed in another (within 1e-6 of transformers' floats, a test); PyTorch's
+        ``rms_norm`` runs six operators on a CPU, about 40 us a call inside a pass, and a
+        one-session pass of the demo target ran 15% shorter without them
+        (docs/performance.md, 2026-11-27). Else in float32 PyTorch's own ``rms_norm``: on
+        the CPU its floats are transformers' own (a test checks they are equal); on a GPU,
+        where a pass is bound by kernel launches, one operator for six (the logits' largest
+        distance from transformers' went from 1.5e-5 to 1.3e-5 on an H100).
         Other dtypes norm in float32 and cast before the weight, as transformers does."""
+        if self.kernel_norm and x.dtype == torch.float32:
+            return torch.ops.specmesh_cpu.rms_norm(x, weight, self._eps)
         if x.dtype == weight.dtype == torch.float32:
             return F.rms_norm(x, weight.shape, weight, self._eps)
         dtype = x.dtype

@@ -95,6 +95,45 @@ def test_rms_norm_gives_transformers_floats_exactly(tiny_pair, rows):
         assert torch.equal(lean._rms(x, norm.weight), norm(x))
 
 
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_the_norm_kernel_gives_transformers_floats_within_float32_rounding(tiny_pair, rows):
+    """With the project's kernels (``half``, on a CPU) the lean forward norms float32
+    activations in ``specmesh_cpu::rms_norm``: transformers' products in transformers' order,
+    the squares summed in another, so within float32 rounding of LlamaRMSNorm."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32)
+    lean = LeanLlama(model, half=True)
+    assert lean.kernel_norm
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape,
+                                                generator=torch.Generator().manual_seed(1)))
+    x = 3 * torch.randn(1, rows, norm.weight.shape[0], generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        got, want = lean._rms(x, norm.weight), norm(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("h", [1, 13, 40, 77, 384])
+def test_the_norm_kernel_handles_any_width_and_strided_rows(h):
+    """Widths with and without whole vectors of 8 and blocks of 32 (the kernel's tails), rows
+    given as a non-contiguous view, against the formula in float64."""
+    from services import cpu_kernels
+
+    assert cpu_kernels.kernel() == ""
+    g = torch.Generator().manual_seed(h)
+    x = torch.randn(5, 2 * h, generator=g)[:, ::2]  # [5, h], not contiguous
+    w = torch.randn(h, generator=g)
+    got = torch.ops.specmesh_cpu.rms_norm(x, w, 1e-5)
+    x64 = x.double()
+    want = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()).float()
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.specmesh_cpu.rms_norm(x.double(), w, 1e-5)
+    with pytest.raises(RuntimeError, match=r"\[h\]"):
+        torch.ops.specmesh_cpu.rms_norm(x, torch.randn(h + 1), 1e-5)
+
+
 def test_prefill_then_steps_match_hf(models):
     """A prompt, then 1-token and 4-token steps on a growing cache: same logits as HF."""
     hf, lean = models
