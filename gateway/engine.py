@@ -15,7 +15,6 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from opentelemetry import metrics as metrics_api
 from opentelemetry import trace
@@ -27,9 +26,10 @@ from gateway.commits import CommitBatcher
 from gateway.draft_length import DraftLength
 from gateway.replicas import ReplicaPool
 from gateway.requests import GenerationSpec
+from gateway.round_plan import RoundPlan
 from gateway.round_result import RoundResult
-from gateway.rounds import RoundPlan, RoundRunner
-from gateway.session_rounds import SessionRounds
+from gateway.rounds import RoundRunner
+from gateway.session_rounds import RequestState, SessionRounds
 from gateway.step_batch import StepBatcher, steps_sent
 from gateway.telemetry import RequestTelemetry
 from gateway.turn_text import TurnText
@@ -47,25 +47,6 @@ _START_ONE = {"ngram": ": start one (`specmesh drafter --kind ngram`, listed in 
                        "--drafters; a local mesh: `specmesh up --ngram-drafters 1`)",
               "model": ": start one (`specmesh drafter --model DRAFT`, listed in the gateway's "
                        "--drafters; a local mesh: `specmesh up --drafters 1`)"}
-
-
-@dataclass
-class _Request:
-    spec: GenerationSpec
-    rounds: SessionRounds  # the session's tokens, cursors and round state
-    owner: str
-    seed: int
-    deadline: Callable[[], float | None]
-    turn: TurnRecord  # settings and progress, saved with every commit (resume reads it)
-    usage: Usage = field(default_factory=Usage)
-    generated: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    first_token_at: float = 0.0
-    pending: int = 0  # the last tokens of handle.tokens not yet in Redis (it was unreachable)
-
-    @property
-    def handle(self) -> SessionHandle:
-        return self.rounds.handle
 
 
 class GenerationEngine:
@@ -150,7 +131,7 @@ class GenerationEngine:
                                           add_special_tokens=not continuing)
         return list(encoded["input_ids"])
 
-    async def _start(self, spec: GenerationSpec, deadline, tenant: str | None) -> _Request:
+    async def _start(self, spec: GenerationSpec, deadline, tenant: str | None) -> RequestState:
         if spec.speculate and spec.drafter_kind and spec.drafter_kind not in self.drafters.kinds():
             raise InvalidArgument(f"no {spec.drafter_kind} drafter is configured on this gateway "
                                   f"(kinds: {', '.join(sorted(self.drafters.kinds())) or 'none'})"
@@ -187,16 +168,16 @@ class GenerationEngine:
                                    tenant=tenant or "", turn=turn.to_dict())
             await self.store.acquire(handle.session_id, owner)
             await self.store.create(handle)
-        req = _Request(spec=spec, rounds=SessionRounds(handle), owner=owner, seed=seed,
+        req = RequestState(spec=spec, rounds=SessionRounds(handle), owner=owner, seed=seed,
                        deadline=deadline, turn=turn)
         req.usage.prompt_tokens = len(prompt)
         return req
 
     @staticmethod
     def _resumed_request(spec: GenerationSpec, h: SessionHandle, owner: str, turn: TurnRecord,
-                         deadline) -> _Request:
+                         deadline) -> RequestState:
         """The request a resume continues, with its progress so far (round index, usage)."""
-        req = _Request(spec=spec, rounds=SessionRounds(h, index=turn.rounds), owner=owner,
+        req = RequestState(spec=spec, rounds=SessionRounds(h, index=turn.rounds), owner=owner,
                        seed=turn.seed, deadline=deadline, turn=turn)
         req.generated = len(h.tokens) - turn.start
         req.usage = Usage(prompt_tokens=turn.prompt_tokens, completion_tokens=req.generated,
@@ -245,7 +226,7 @@ class GenerationEngine:
 
     # ----- rounds ------------------------------------------------------------------------
 
-    async def _stream(self, req: _Request, span: trace.Span) -> AsyncIterator[Chunk]:
+    async def _stream(self, req: RequestState, span: trace.Span) -> AsyncIterator[Chunk]:
         spec, h = req.spec, req.handle
         text = TurnText(self.tokenizer, h.tokens[:req.turn.start], spec.stop,
                         self.limits.eos_token_ids)
@@ -308,7 +289,7 @@ class GenerationEngine:
                 if task is not None and not task.done():
                     task.cancel()
 
-    async def _round(self, req: _Request, kind: str,
+    async def _round(self, req: RequestState, kind: str,
                      span: trace.Span) -> tuple[RoundResult, float, trace.Span]:
         """Chooses k and runs the request's next round under its own span (ended by the
         caller once the round is accounted for)."""
@@ -329,14 +310,14 @@ class GenerationEngine:
             raise
         return r, start, round_span
 
-    def _plain_tokens(self, req: _Request) -> int:
+    def _plain_tokens(self, req: RequestState) -> int:
         """Tokens a round without drafts asks for: ``_plain_cap`` within the request's budget
         and the context; but one in the request's first round (its time to the first token)."""
         if req.rounds.last is None:
             return 1
         return max(1, min(self._plain_cap(req), self._tokens_left(req)))
 
-    def _ahead_tokens(self, req: _Request, plain: int) -> int:
+    def _ahead_tokens(self, req: RequestState, plain: int) -> int:
         """The tokens a round without drafts asks the verifier to decode ahead: what the
         next round asks for (``_plain_tokens``) once this round's ``plain`` are in; 0 where
         none can follow (the request's budget or the context ends with this round) or with
@@ -345,19 +326,19 @@ class GenerationEngine:
             return 0
         return max(0, min(self._plain_cap(req), self._tokens_left(req) - plain))
 
-    def _plain_cap(self, req: _Request) -> int:
+    def _plain_cap(self, req: RequestState) -> int:
         """--plain-tokens; one for a seeded sample, whose draws use one seed a round: how
         many tokens a round gets depends on the other calls of its step (fit_verify_step),
         and a seed must reproduce whatever else runs."""
         seeded = req.spec.seed is not None and not req.spec.params.greedy
         return 1 if seeded else self.config.plain_tokens
 
-    def _tokens_left(self, req: _Request) -> int:
+    def _tokens_left(self, req: RequestState) -> int:
         """What the request's budget and the model's context still allow."""
         return min(req.spec.max_new_tokens - req.generated,
                    self.limits.max_context - len(req.handle.tokens))
 
-    async def _save(self, req: _Request, added: int, final: bool) -> None:
+    async def _save(self, req: RequestState, added: int, final: bool) -> None:
         """Commits the round's ``added`` tokens and any an earlier round left pending. While
         Redis is unreachable the stream goes on and the tokens stay pending (h.tokens holds
         them; the next commit sends them all). At the end a kept session retries for up to
@@ -387,7 +368,7 @@ class GenerationEngine:
             await asyncio.sleep(max(0.0, min(delay, give_up - time.monotonic())))
             delay = min(2 * delay, 0.5)
 
-    def _commit_counts(self, req: _Request, r: RoundResult, kept: list[int],
+    def _commit_counts(self, req: RequestState, r: RoundResult, kept: list[int],
                        finish: Finish | None) -> None:
         """Counts the round, whose ``kept`` tokens were committed to the handle, in the
         request's usage and the turn's record (saved with the commit)."""

@@ -32,8 +32,6 @@ the first.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -46,13 +44,13 @@ from redis.exceptions import RedisError
 from gateway import clients
 from gateway.clients import ReplicaFailed
 from gateway.replicas import ReplicaPool
+from gateway.round_plan import RoundPlan, cache_delta, fanout_share, held, part, round_seed
 from gateway.round_result import RoundResult, SpecCache
 from gateway.session_rounds import SessionRounds
 from gateway.tree_width import TreeWidth
 from services.config import GatewayConfig
 from services.errors import Busy, DeadlineExceeded, ResyncRequired, Unavailable
 from services.messages import (
-    CacheDelta,
     DraftCall,
     DraftResult,
     SpeculateCall,
@@ -66,54 +64,6 @@ from services.session_store import Cursor, SessionHandle
 log = logging.getLogger(__name__)
 
 ADMIT_WAIT_S = 5.0  # a call waits this long for a replica being admitted when none is
-
-
-def round_seed(seed: int, round_index: int, role: str) -> int:
-    digest = hashlib.blake2b(f"{seed}:{round_index}:{role}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def _part(draft: DraftResult, start: int = 0, stop: int | None = None) -> DraftResult:
-    """Drafts start..stop with their q: the first k (k may have shrunk since they were
-    prepared), or all but a lead round's first (its guess of the verifier's token)."""
-    if start == 0 and (stop is None or len(draft.token_ids) <= stop):
-        return draft
-    cut = slice(start, stop)
-    return dataclasses.replace(draft, token_ids=draft.token_ids[cut], q_ids=draft.q_ids[cut],
-                               q_probs=draft.q_probs[cut])
-
-
-def _held(draft: DraftResult, old: int) -> tuple[int, ...]:
-    """The drafts a draft call left in its drafter's cache past the ``old`` committed ones."""
-    return draft.token_ids[: max(0, draft.cached_len - old)]
-
-
-def _delta(h: SessionHandle, base: int, drafts: tuple[int, ...] = ()) -> CacheDelta:
-    """The cache delta of h's committed tokens (then ``drafts``) for a replica holding the
-    first ``base`` of them."""
-    return CacheDelta(session_id=h.session_id, base_len=base, base_hash=h.prefix_hash(base),
-                      new_tokens=(*h.tokens[base:], *drafts))
-
-
-def fanout_share(fanout: int, busy: int, requests: int = 1, max_requests: int = 1) -> int:
-    """The branches one speculation call gets while its drafter serves ``busy`` other calls
-    and the gateway runs ``requests`` requests: all of them while the drafter is idle and
-    the gateway runs at most ``max_requests``, else none."""
-    return fanout if busy == 0 and requests <= max_requests else 0
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundPlan:
-    """What the round loop chose for one round (gateway/engine.py)."""
-
-    params: SamplingParams
-    k: int  # drafts to verify (0: none)
-    kind: str  # the drafter kind that drafts them
-    seed: int  # the request's seed (each round draws its own from it and the round index)
-    acceptance: float = 0.7  # the expected acceptance, which weighs the speculation tree
-    logprobs: int = -1  # top log-probabilities per token (-1: none)
-    tokens: int = 1  # what a round without drafts asks the verifier for
-    ahead: int = 0  # a round without drafts: the next one's tokens, to decode ahead (0: none)
 
 
 class RoundRunner:
@@ -153,7 +103,7 @@ class RoundRunner:
             prepared = prefetch.lookup(h.tokens) if prefetch is not None else None
             outcome = "none" if prefetch is None else "used" if prepared else "dropped"
             if prepared is not None:
-                draft = _part(prepared, stop=k)
+                draft = part(prepared, stop=k)
             else:
                 draft = await self._draft(h, params, k, kind,
                                           round_seed(seed, round_index, "draft"), deadline)
@@ -188,7 +138,7 @@ class RoundRunner:
         if spec is not None:
             tail = drafted.token_ids[: cached - old]
         elif fresh:
-            tail = _held(draft, old)
+            tail = held(draft, old)
         return RoundResult(
             drafted=drafted.token_ids if drafted else (), drafter_tail=tail,
             num_accepted=result.num_accepted, extra_token=result.extra_token,
@@ -229,9 +179,9 @@ class RoundRunner:
             draft = None
         tail, spec = None, None
         if draft is not None:
-            tail = _held(draft, old)
+            tail = held(draft, old)
             if params.greedy and len(draft.token_ids) > 1:
-                spec = SpecCache(base=old, branches={(draft.token_ids[0],): _part(draft, 1)})
+                spec = SpecCache(base=old, branches={(draft.token_ids[0],): part(draft, 1)})
         # Never warm: its cycle is a drafter's catch-up on the whole session beside a
         # one-token verify. Counted as a round without drafts (none verified) it weighed 9-12
         # ms a token against 3.4 for plain rounds of 8 on a 2-core CPU, and with the rare
@@ -273,7 +223,7 @@ class RoundRunner:
             return None, 0
         base = min(valid, len(h.tokens) - 1)  # logits from the last committed token on
         call = SpeculateCall(
-            cache=_delta(h, base, drafted.token_ids), num_drafts=len(drafted.token_ids),
+            cache=cache_delta(h, base, drafted.token_ids), num_drafts=len(drafted.token_ids),
             num_tokens=k, params=params, seed=seed, max_support=self.config.max_support,
             max_branches=fanout, acceptance=acceptance)
         try:
@@ -370,7 +320,7 @@ class RoundRunner:
         """Drafts k tokens; None (no drafter could answer) runs the round with k = 0."""
 
         async def call(replica, base: int) -> DraftResult:
-            delta = _delta(h, base)
+            delta = cache_delta(h, base)
             return await clients.draft(replica, DraftCall(
                 cache=delta, num_tokens=k, params=params, seed=seed,
                 max_support=self.config.max_support), self._timeout(deadline))
@@ -395,7 +345,7 @@ class RoundRunner:
 
         async def call(replica, base: int) -> VerifyResult:
             return await clients.verify(replica, VerifyCall(
-                cache=_delta(h, base),
+                cache=cache_delta(h, base),
                 draft_ids=draft.token_ids if draft else (),
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
                 params=params, seed=seed, logprobs=logprobs, max_tokens=tokens,

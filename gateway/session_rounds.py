@@ -12,14 +12,22 @@ moves (gpt-fast's ``speculative_decode`` keeps the same things in locals).
 A round moves it once, in ``advance``: the round's kept tokens are appended and each tier's
 cursor moves to what that tier's cache now holds. A call that lands on another replica
 moves the cursor's replica (gateway/rounds.py); a replica that lost the session resets it.
+
+``RequestState`` is the request around it in the gateway's engine: its settings, its owner
+and deadline, and what it has generated and used so far.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from gateway.adaptive import AdaptiveK
+from gateway.chunks import Usage
+from gateway.requests import GenerationSpec
 from gateway.round_result import RoundResult, SpecCache
+from gateway.turns import TurnRecord
 from services.session_store import SessionHandle
 
 
@@ -61,3 +69,25 @@ def _common_prefix(a, b) -> int:
             break
         n += 1
     return n
+
+
+@dataclass
+class RequestState:
+    """A request's state in the gateway's engine (gateway/engine.py): its settings, its
+    session's rounds, and what it has generated and used so far."""
+
+    spec: GenerationSpec
+    rounds: SessionRounds  # the session's tokens, cursors and round state
+    owner: str
+    seed: int
+    deadline: Callable[[], float | None]
+    turn: TurnRecord  # settings and progress, saved with every commit (resume reads it)
+    usage: Usage = field(default_factory=Usage)
+    generated: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+    pending: int = 0  # the last tokens of handle.tokens not yet in Redis (it was unreachable)
+
+    @property
+    def handle(self) -> SessionHandle:
+        return self.rounds.handle

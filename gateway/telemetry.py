@@ -15,7 +15,7 @@ from services.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
     from gateway.chunks import Finish
-    from gateway.engine import _Request
+    from gateway.session_rounds import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class RequestTelemetry:
         self.metrics = metrics
         self.model = model
 
-    def generate_span(self, req: _Request) -> trace.Span:
+    def generate_span(self, req: RequestState) -> trace.Span:
         """The request's span; it links to the previous turn of the session, if any."""
         spec, h = req.spec, req.handle
         links = []
@@ -49,7 +49,7 @@ class RequestTelemetry:
         h.last_trace = f"{ctx.trace_id:032x}-{ctx.span_id:016x}"
         return span
 
-    def round_span(self, parent: trace.Span, req: _Request, k: int) -> trace.Span:
+    def round_span(self, parent: trace.Span, req: RequestState, k: int) -> trace.Span:
         """The round's span; under a request span that is not recorded (no trace exporter,
         or not sampled) none is recorded either, and the round's log lines carry the
         request's trace and span ids: the SDK's start_span of a span that is dropped anyway
@@ -60,7 +60,7 @@ class RequestTelemetry:
             "specmesh.round", context=trace.set_span_in_context(parent),
             attributes={"specmesh.round.index": req.rounds.index, "specmesh.round.k": k})
 
-    def record_round(self, span: trace.Span, req: _Request, r: RoundResult, kept: int,
+    def record_round(self, span: trace.Span, req: RequestState, r: RoundResult, kept: int,
                       seconds: float) -> None:
         h = req.handle
         network = (r.draft_ms - r.draft_compute_ms) + (r.verify_ms - r.verify_compute_ms)
@@ -90,7 +90,7 @@ class RequestTelemetry:
             req.first_token_at = now
             self.metrics.ttft.record(now - req.started)
 
-    def record_finish(self, span: trace.Span, req: _Request, finish: Finish) -> None:
+    def record_finish(self, span: trace.Span, req: RequestState, finish: Finish) -> None:
         u = req.usage
         span.set_attributes({
             "gen_ai.usage.output_tokens": u.completion_tokens,
