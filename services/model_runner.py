@@ -74,7 +74,7 @@ class _Active:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, meta: ModelMeta, device: torch.device,
-                 max_queue: int, max_batch: int = 32, prefill_threads: int = 0,
+                 max_queue: int, max_batch: int, prefill_threads: int = 0,
                  plain: PlainThreads | None = None) -> None:
         """``prefill_threads``: torch threads for a pass that feeds a prompt
         (services/batching.py ``run_step``); 0: the process's own. ``plain``: a verifier's

@@ -11,6 +11,9 @@ from specmesh import loadtest
 from specmesh.extras import needs_extra
 from specmesh.model_ref import model_reference
 from specmesh.options import (
+    REPLICA as R,
+)
+from specmesh.options import (
     Advertise,
     Device,
     Dtype,
@@ -48,11 +51,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 
 def _model_service(kind: str, server, model, device, dtype, max_sessions, max_draft, threads,
-                   max_queue, telemetry, drafter_kind: str = "model", redis: str = "",
-                   advertise: str = "", kv_budget_mb: int = 0, max_batch: int = 32,
-                   forward: str = "auto", prefix_cache_mb: int = 256,
-                   prefix_block: int = 16, prefill_chunk: int = 256,
-                   prefill_threads: int = 0, plain_threads: int = 0) -> None:
+                   max_queue, telemetry, drafter_kind: str, redis: str, advertise: str,
+                   kv_budget_mb: int, max_batch: int, forward: str, prefix_cache_mb: int,
+                   prefix_block: int, prefill_chunk: int, prefill_threads: int,
+                   plain_threads: int = R["plain_threads"]) -> None:
     from services.config import ModelServiceConfig
 
     model = model_reference(model, "--model")
@@ -93,15 +95,17 @@ def drafter(model: Model,
                                                    "lookup; --model then only names the "
                                                    "tokenizer and limits).")] = "model",
             port: Port = 50061, host: Host = "0.0.0.0", device: Device = "cpu",
-            dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
-            max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
-            max_batch: MaxBatch = 32, metrics_port: MetricsPort = 0,
-            log_format: LogFormat = "json",
+            dtype: Dtype = R["dtype"], max_sessions: MaxSessions = R["max_sessions"],
+            max_draft_tokens: MaxDraft = R["max_draft_tokens"], threads: Threads = R["threads"],
+            max_queue: MaxQueue = R["max_queue"], max_batch: MaxBatch = R["max_batch"],
+            metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
             log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "",
-            kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "", tls_key: TlsKey = "",
-            tls_ca: TlsCa = "", health_port: HealthPort = 0, forward: Forward = "auto",
-            prefix_cache_mb: PrefixCacheMb = 256, prefix_block: PrefixBlock = 16,
-            prefill_chunk: PrefillChunk = 256, prefill_threads: PrefillThreads = 0,
+            kv_budget_mb: KvBudget = R["kv_budget_mb"], tls_cert: TlsCert = "",
+            tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0,
+            forward: Forward = R["forward"], prefix_cache_mb: PrefixCacheMb = R["prefix_cache_mb"],
+            prefix_block: PrefixBlock = R["prefix_block"],
+            prefill_chunk: PrefillChunk = R["prefill_chunk"],
+            prefill_threads: PrefillThreads = R["prefill_threads"],
             parent_pid: ParentPid = 0) -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
@@ -116,16 +120,18 @@ def drafter(model: Model,
 
 @app.command()
 def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: Device = "auto",
-             dtype: Dtype = "float32", max_sessions: MaxSessions = 256,
-             max_draft_tokens: MaxDraft = 16, threads: Threads = 0, max_queue: MaxQueue = 64,
-             max_batch: MaxBatch = 32, metrics_port: MetricsPort = 0,
-             log_format: LogFormat = "json",
-             log_level: LogLevel = "info", redis: Redis = "",
-             advertise: Advertise = "", kv_budget_mb: KvBudget = 0, tls_cert: TlsCert = "",
+             dtype: Dtype = R["dtype"], max_sessions: MaxSessions = R["max_sessions"],
+             max_draft_tokens: MaxDraft = R["max_draft_tokens"], threads: Threads = R["threads"],
+             max_queue: MaxQueue = R["max_queue"], max_batch: MaxBatch = R["max_batch"],
+             metrics_port: MetricsPort = 0, log_format: LogFormat = "json",
+             log_level: LogLevel = "info", redis: Redis = "", advertise: Advertise = "",
+             kv_budget_mb: KvBudget = R["kv_budget_mb"], tls_cert: TlsCert = "",
              tls_key: TlsKey = "", tls_ca: TlsCa = "", health_port: HealthPort = 0,
-             forward: Forward = "auto", prefix_cache_mb: PrefixCacheMb = 256,
-             prefix_block: PrefixBlock = 16, prefill_chunk: PrefillChunk = 256,
-             prefill_threads: PrefillThreads = 0, plain_threads: PlainThreads = 0,
+             forward: Forward = R["forward"], prefix_cache_mb: PrefixCacheMb = R["prefix_cache_mb"],
+             prefix_block: PrefixBlock = R["prefix_block"],
+             prefill_chunk: PrefillChunk = R["prefill_chunk"],
+             prefill_threads: PrefillThreads = R["prefill_threads"],
+             plain_threads: PlainThreads = R["plain_threads"],
              parent_pid: ParentPid = 0) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", server_config(port, host, tls_cert, tls_key, tls_ca, health_port,

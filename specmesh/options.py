@@ -4,9 +4,16 @@ specmesh/cli.py), and the configs built from them."""
 from __future__ import annotations
 
 import os
+from dataclasses import MISSING, fields
 from typing import Annotated
 
 import typer
+
+from services.config import ModelServiceConfig
+
+# The drafter's and the verifier's defaults, as their config holds them: the commands'
+# options default to these (the Helm chart's values are checked against them by a test)
+REPLICA = {f.name: f.default for f in fields(ModelServiceConfig) if f.default is not MISSING}
 
 Port = Annotated[int, typer.Option("--port", envvar="SPECMESH_PORT", help="Port to listen on.")]
 Host = Annotated[str, typer.Option("--host", envvar="SPECMESH_HOST", help="Address to bind.")]

@@ -9,6 +9,7 @@ fields are errors) for two recent Kubernetes versions.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -180,6 +181,33 @@ def test_tiers_have_the_same_values_shape():
     assert VERIFIER_ONLY <= verifier.keys()
     assert shape(values["drafter"]["config"]) == {k: v for k, v in verifier.items()
                                                   if k not in VERIFIER_ONLY}
+
+
+def test_the_model_tiers_default_to_the_replicas_own_defaults():
+    """The chart's drafter and verifier settings that the replicas' config also defaults
+    (services/config.py ModelServiceConfig) have the same values there, and so do the
+    `specmesh drafter` and `specmesh verifier` options: a default changed in one place is
+    changed everywhere (a max-batch change once had to be made in five)."""
+    import re
+
+    from services.config import ModelServiceConfig
+    from specmesh.cli import app
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelServiceConfig)}
+    values = _chart().values
+    checked = set()
+    for tier in ("drafter", "verifier"):
+        for key, value in values[tier]["config"].items():
+            name = re.sub(r"(?<!^)([A-Z])", r"_\1", key).lower()
+            if name in defaults and name not in ("model", "device"):  # (per tier, by design)
+                assert value == defaults[name], (tier, key, value, defaults[name])
+                checked.add(name)
+    assert {"max_batch", "max_queue", "max_sessions", "prefix_cache_mb"} <= checked
+    commands = typer.main.get_command(app).commands
+    for command in ("drafter", "verifier"):
+        for param in commands[command].params:
+            if param.name in defaults and param.name not in ("model", "device"):
+                assert param.default == defaults[param.name], (command, param.name)
 
 
 @pytest.mark.parametrize("case", sorted(OVERRIDES))

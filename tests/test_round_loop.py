@@ -239,7 +239,7 @@ def test_a_job_raising_stop_iteration_fails_only_its_own_call():
     from tests.round_harness import _meta
 
     target, _ = tables(8, 0, 0.0)
-    runner = ModelRunner(target, _meta(target, "t"), torch.device("cpu"), max_queue=8)
+    runner = ModelRunner(target, _meta(target, "t"), torch.device("cpu"), max_queue=8, max_batch=32)
 
     async def body():
         with pytest.raises(RuntimeError, match="StopIteration"):
