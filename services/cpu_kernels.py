@@ -12,11 +12,15 @@ compiler on first use and loaded as PyTorch operators.
   row over its own keys only (services/ragged_attention.py).
 - ``specmesh_cpu::rms_norm``: transformers' LlamaRMSNorm of float32 rows in one operator
   (PyTorch's runs six on a CPU: ~40 us a call inside a pass; services/lean_llama.py ``_rms``).
+- ``specmesh_cpu::rope_store``: a layer's rotary embedding of its queries and keys (the
+  floats of services/rotary.py ``rope``), the split into heads, and the keys' and values'
+  writes into their pool slots, in one operator (services/lean_llama.py ``kernel_rope``).
 
 The linear and argmax kernels are compiled for AVX-512 and for AVX2 with F16C and FMA and
-picked at run time; the attention and norm kernels for AVX2 with FMA only (bound by reading the caches,
-an AVX-512 build was no faster). So the library suits any x86-64 CPU with AVX2. It is kept in
-``cache_dir`` per source and PyTorch version, or shipped beside the source by an image built with
+picked at run time; the attention, norm and rotary kernels for AVX2 with FMA only (the
+attention is bound by reading the caches: an AVX-512 build was no faster). So the library
+suits any x86-64 CPU with AVX2. It is kept in ``cache_dir`` per source, flags and PyTorch
+version, or shipped beside the source by an image built with
 a compiler (``prebuild``). Without either, or on another CPU, ``kernel`` says why and the
 callers keep PyTorch's operators.
 """
@@ -43,10 +47,16 @@ def cache_dir() -> Path:
     return Path(base) / "specmesh" / "kernels"
 
 
+# -ffp-contract=off: a product and a sum stay two roundings unless the source asks for a
+# fused multiply-add (the rotary embedding must give PyTorch's floats)
+FLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
+
+
 def _library_name() -> str:
-    """The kernel's file name for this source and this PyTorch: a new one when either changes
-    (the kernels inside are chosen at run time, so the file suits any x86-64 CPU)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    """The kernel's file name for this source, its flags and this PyTorch: a new one when any
+    changes (the kernels inside are chosen at run time, so the file suits any x86-64 CPU)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
     return f"cpu_kernels-{key}.so"
 
 
@@ -68,7 +78,7 @@ def _compile(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+        cmd = [compiler, *FLAGS,
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(built),
                f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]

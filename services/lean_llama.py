@@ -155,6 +155,12 @@ class LeanLlama(torch.nn.Module):
             half and self.pool is not None and weight.device.type == "cpu"
             and weight.dtype == torch.float32 and self._head_dim % 8 == 0
             and self._head_dim <= 128 and not cpu_kernels.kernel())
+        # a pass whose tokens all attend in one pooled call (every decode pass of one
+        # stream, most of several) rotates its queries and keys, splits the heads and writes
+        # the keys and values into their slots in one kernel operator a layer
+        # (``specmesh_cpu::rope_store``: PyTorch's floats; it took the rotary module's four
+        # operators, two cache writes and their views)
+        self.kernel_rope = self.kernel_attention
         # RMS norms of float32 activations on a CPU in the project's kernel (one operator
         # for PyTorch's six; ``_rms``)
         self.kernel_norm = bool(half and weight.device.type == "cpu"
@@ -357,7 +363,18 @@ class LeanLlama(torch.nn.Module):
         # one segment's call attends every token of the pass, in order: its output is the
         # layer's attention as it comes (a decode pass of one stream, rows in slot order)
         whole = len(plans) == 1 and plans[0].span == slice(0, T)
+        fused = whole and self.kernel_rope and not cascades  # (``kernel_rope``)
+        if fused:
+            cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
         for i, w in enumerate(self.layers):
+            if fused:  # rotate, split and write the keys and values in one operator
+                buffers = self.pool.segments[plans[0].segment][i]
+                q = torch.ops.specmesh_cpu.rope_store(
+                    w.qkv(self._rms(x[0], w.ln1)), cos_t, sin_t, H, KV, *buffers,
+                    plans[0].slot, plans[0].pos).transpose(0, 1)  # [H, T, D]
+                attn = ragged_attention.attend(plans[0], buffers, q, None, None)
+                x = self.finish_layer(x, attn.transpose(0, 1).reshape(1, T, H * D), w)
+                continue
             q, k, v = (t.transpose(0, 1) for t in self.qkv(x[0], w, cos, sin))
             # q [H, T, D], k and v [KV, T, D]
             if whole:

@@ -155,9 +155,10 @@ def _written_and_padded(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor
     (views)."""
     keys, values = buffers
     H, _, D = q.shape
-    KV = k.shape[0]
-    keys[p.slot, :, p.pos] = k[:, p.where].transpose(0, 1)  # [P, KV, D]
-    values[p.slot, :, p.pos] = v[:, p.where].transpose(0, 1)
+    KV = keys.shape[1]
+    if k is not None:  # (None: the pass wrote them, ``rope_store``)
+        keys[p.slot, :, p.pos] = k[:, p.where].transpose(0, 1)  # [P, KV, D]
+        values[p.slot, :, p.pos] = v[:, p.where].transpose(0, 1)
     window = slice(p.lo, p.lo + p.n)
     if p.dense:  # slot i is query i: [P, H, D] as [n, KV, G, D], a view
         padded = q[:, p.where].transpose(0, 1).view(p.n, KV, H // KV, D)
@@ -177,9 +178,9 @@ def kernel_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def attend(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
-           k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Writes the rows' new keys and values and returns their tokens' attention outputs
-    [H, P, D] for queries q [H, T, D] (``_written_and_padded``)."""
+           k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+    """Writes the rows' new keys and values (k, v None: already written) and returns their
+    tokens' attention outputs [H, P, D] for queries q [H, T, D] (``_written_and_padded``)."""
     H, _, D = q.shape
     grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
     if p.mask is None:

@@ -102,3 +102,50 @@ def test_a_prebuilt_kernel_beside_the_source_is_loaded_without_a_compiler(tmp_pa
     assert list((tmp_path / "csrc").glob("cpu_kernels-*.so"))
     assert _load_elsewhere(tmp_path, {"CXX": "false"}) == "''"  # compiling would fail
     assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", [(6, 3, 64), (4, 4, 20), (2, 1, 6)])
+def test_rope_store_gives_the_rotary_modules_floats_and_writes_each_token_in_its_slot(
+        heads, kv_heads, d):
+    """``rope_store`` against services/rotary.py ``rope`` and the two cache writes the lean
+    forward made: the queries and the written keys the same floats (head sizes with and
+    without whole vectors of 8 in a half), the values copied, every other position of the
+    buffers untouched."""
+    from services import rotary
+
+    g = torch.Generator().manual_seed(d)
+    T, S, L = 5, 7, 40
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = torch.randn(T, d, generator=g), torch.randn(T, d, generator=g)
+    ssin = rotary.signed(sin)
+    keys, values = torch.randn(S, kv_heads, L, d, generator=g), torch.randn(S, kv_heads, L, d, generator=g)
+    want_k, want_v = keys.clone(), values.clone()
+    slot, pos = torch.tensor([3, 0, 6, 2, 3]), torch.tensor([0, 39, 7, 11, 1])
+    qk = rotary.rope(qkv[:, :(heads + kv_heads) * d].view(T, heads + kv_heads, d),
+                     cos[:, None], ssin[:, None])
+    want_k[slot, :, pos] = qk[:, heads:]
+    want_v[slot, :, pos] = qkv[:, (heads + kv_heads) * d:].view(T, kv_heads, d)
+    q = torch.ops.specmesh_cpu.rope_store(qkv, cos, ssin, heads, kv_heads, keys, values,
+                                          slot, pos)
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"pos": torch.tensor([40])}, "out of range"),
+    ({"slot": torch.tensor([-1])}, "out of range"),
+    ({"qkv": torch.randn(1, 10)}, r"\[T, \(H \+ 2 KV\) D\]"),
+    ({"cos": torch.randn(2, 8)}, r"\[T, D\]"),
+    ({"keys": torch.randn(2, 1, 40, 8).transpose(0, 1)}, "contiguous"),
+])
+def test_rope_store_refuses_what_would_write_out_of_its_buffers(change, message):
+    args = {"qkv": torch.randn(1, 4 * 8), "cos": torch.randn(1, 8), "ssin": torch.randn(1, 8),
+            "keys": torch.zeros(2, 1, 40, 8), "values": torch.zeros(2, 1, 40, 8),
+            "slot": torch.tensor([1]), "pos": torch.tensor([3])}
+    args.update(change)
+    if "keys" in change:
+        args["values"] = torch.zeros(change["keys"].shape)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.specmesh_cpu.rope_store(args["qkv"], args["cos"], args["ssin"], 2, 1,
+                                          args["keys"], args["values"], args["slot"],
+                                          args["pos"])

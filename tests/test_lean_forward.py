@@ -405,3 +405,53 @@ def test_attention_outputs_in_a_gpu_kernels_layout_give_the_same_logits(models, 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
     test_prefill_then_steps_match_hf(models)
     test_batched_rows_match_each_row_alone(models)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(rows, monkeypatch):
+    """Decode passes whose tokens all attend in one pooled call run the rotary embedding,
+    the split into heads and the cache writes in ``specmesh_cpu::rope_store``: the demo
+    target's logits over three steps are the very floats of the operators it replaces, and
+    the caches hold the same keys and values after."""
+    from services import ragged_attention
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+    lean = LeanLlama(model, pack=True, half=True)
+    assert lean.kernel_rope and lean.kernel_attention
+    written = []  # per attend call: were the keys written before it (the fused path)?
+    attend = ragged_attention.attend
+    monkeypatch.setattr(ragged_attention, "attend",
+                        lambda p, b, q, k, v: written.append(k is None) or attend(p, b, q, k, v))
+
+    def sessions():
+        g = torch.Generator().manual_seed(rows)
+        out = []
+        for _ in range(rows):
+            kv = lean.new_cache()
+            prompt = torch.randint(0, 8000, (int(torch.randint(20, 90, (1,), generator=g)),),
+                                   generator=g).tolist()
+            forward_rows(lean, [Row(tokens=prompt, kv=kv, start=0, keep=1)], "cpu",
+                         _no_batch_cache)
+            out.append([kv, len(prompt)])
+        return out
+
+    fused, plain = sessions(), sessions()
+    for step in range(3):
+        got = []
+        for caches, on in ((fused, True), (plain, False)):
+            lean.kernel_rope = on
+            written.clear()
+            with torch.inference_mode():
+                got.append(lean.forward_ragged([Row(tokens=[7 + step + b], kv=kv, start=s, keep=1)
+                                                for b, (kv, s) in enumerate(caches)]))
+            assert written == [on] * len(lean.layers)  # one pooled call a layer, fused or not
+            for c in caches:
+                c[1] += 1
+        for a, b in zip(*got, strict=True):
+            assert torch.equal(a, b)
+    for (a, _), (b, _) in zip(fused, plain, strict=True):
+        length = a.get_seq_length()
+        assert length == b.get_seq_length()
+        for la, lb in zip(a.layers, b.layers, strict=True):
+            assert torch.equal(la.keys[..., :length, :], lb.keys[..., :length, :])
+            assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])

@@ -1,5 +1,6 @@
 // The CPU kernels of services/cpu_kernels.py: a linear layer over 16-bit weights, a row argmax,
-// the attention of a pass's pooled decode and verify rows, and RMS norm.
+// the attention of a pass's pooled decode and verify rows, RMS norm, and a layer's rotary
+// embedding with its cache writes.
 //
 // y = x @ W^T for float32 activations and weights stored in 16 bits (fp16 or bf16), computed in
 // float32: each weight is widened exactly and every product and sum is a float32 FMA, so the
@@ -323,6 +324,28 @@ AVX2 void rms_row(const float* x, const float* w, float* y, int64_t h, float eps
   for (; k < h; ++k) y[k] = (x[k] * r) * w[k];
 }
 
+// One head's rotary embedding, as services/rotary.py ``rope`` computes it:
+// out[i] = x[i] cos[i] + x[(i + D/2) mod D] ssin[i], each product rounded, then their sum
+// (no fused multiply-add: the library is built with -ffp-contract=off), so the floats are
+// PyTorch's for x * cos + x.roll(D / 2) * ssin.
+AVX2 void rope_head(const float* x, const float* c, const float* s, float* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t part = 0; part < 2; ++part) {  // the first half pairs with the second, and back
+    const int64_t lo = part * half, other = part ? -half : half;
+    int64_t i = lo;
+    for (; i + 8 <= lo + half; i += 8) {
+      const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(c + i));
+      const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + i + other), _mm256_loadu_ps(s + i));
+      _mm256_storeu_ps(out + i, _mm256_add_ps(a, b));
+    }
+    for (; i < lo + half; ++i) {
+      const float a = x[i] * c[i];
+      const float b = x[i + other] * s[i];
+      out[i] = a + b;
+    }
+  }
+}
+
 std::string isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return "avx512";
@@ -520,6 +543,53 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
+// qkv [T, (H + 2 KV) D] float32, a layer's fused projection; cos, ssin [T, D]; keys, values
+// [S, KV, L, D] float32, a pool segment's buffers; slot, pos [T] int64. Returns the rotated
+// queries [T, H, D] and writes token t's rotated keys and its values at [slot[t], :, pos[t]]:
+// the rotary module, the split into heads and the two cache writes of a layer in one call.
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& ssin,
+                      int64_t heads, int64_t kv_heads, at::Tensor keys, at::Tensor values,
+                      const at::Tensor& slot, const at::Tensor& pos) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&qkv, &cos, &ssin, &keys, &values})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "rope_store: float32 CPU tensors only");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.is_contiguous() && values.is_contiguous() &&
+              keys.size(1) == kv_heads, "rope_store: keys and values must be contiguous [S, KV, L, D]");
+  const int64_t D = keys.size(3), T = qkv.size(0), S = keys.size(0), L = keys.size(2);
+  TORCH_CHECK(D % 2 == 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "rope_store: bad head counts");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * D && qkv.stride(1) == 1,
+              "rope_store: qkv must be [T, (H + 2 KV) D] with unit stride");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D && cos.is_contiguous() &&
+              ssin.sizes() == cos.sizes() && ssin.is_contiguous(), "rope_store: cos and ssin must be [T, D]");
+  TORCH_CHECK(slot.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slot.numel() == T &&
+              pos.numel() == T, "rope_store: slot and pos must be int64 [T]");
+  static const bool runs = !isa().empty();
+  TORCH_CHECK(runs, "rope_store: this CPU has neither AVX-512 nor AVX2");
+  const auto sl = slot.contiguous();
+  const auto ps = pos.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S && pp[t] >= 0 && pp[t] < L, "rope_store: slot or position out of range");
+  auto q = at::empty({T, heads, D}, qkv.options());
+  float* qp = q.data_ptr<float>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = ssin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = qkv.data_ptr<float>() + t * qkv.stride(0);
+    const float* c = cp + t * D;
+    const float* sn = snp + t * D;
+    for (int64_t h = 0; h < heads; ++h) rope_head(row + h * D, c, sn, qp + (t * heads + h) * D, D);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = ((sp[t] * kv_heads + h) * L + pp[t]) * D;
+      rope_head(row + (heads + h) * D, c, sn, kp + at, D);
+      std::copy_n(row + (heads + kv_heads + h) * D, D, vp + at);
+    }
+  }
+  return q;
+}
+
 std::string cpu_isa() { return isa(); }
 
 TORCH_LIBRARY(specmesh_cpu, m) {
@@ -528,5 +598,7 @@ TORCH_LIBRARY(specmesh_cpu, m) {
   m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor last, int since, float scale) "
         "-> (Tensor, Tensor)", &pooled_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor ssin, int heads, int kv_heads, Tensor(a!) keys, "
+        "Tensor(b!) values, Tensor slot, Tensor pos) -> Tensor", &rope_store);
   m.def("isa() -> str", &cpu_isa);
 }
