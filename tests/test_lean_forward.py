@@ -80,17 +80,25 @@ def test_rotary_embedding_gives_transformers_floats_exactly():
     assert torch.equal(got[:, :, H:].transpose(1, 2), want_k)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 37])
-def test_rms_norm_gives_transformers_floats_exactly(tiny_pair, rows):
-    """The lean forward norms float32 activations with PyTorch's rms_norm, one operator
-    where transformers' LlamaRMSNorm runs six: on the CPU the floats must be its own."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32)
-    lean = LeanLlama(model)
+def _norm_case(path: str, rows: int, half: bool):
+    """A lean twin (``half``: with the project's kernels), its first layer's input norm with
+    weights away from 1, and float32 activations [1, rows, h]."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lean = LeanLlama(model, half=half)
     norm = model.model.layers[0].input_layernorm
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape,
                                                 generator=torch.Generator().manual_seed(1)))
     x = 3 * torch.randn(1, rows, norm.weight.shape[0], generator=torch.Generator().manual_seed(rows))
+    return lean, norm, x
+
+
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_rms_norm_gives_transformers_floats_exactly(tiny_pair, rows):
+    """The lean forward norms float32 activations with PyTorch's rms_norm, one operator
+    where transformers' LlamaRMSNorm runs six: on the CPU the floats must be its own."""
+    lean, norm, x = _norm_case(tiny_pair[0], rows, half=False)
+    assert not lean.kernel_norm
     with torch.inference_mode():
         assert torch.equal(lean._rms(x, norm.weight), norm(x))
 
@@ -100,14 +108,8 @@ def test_the_norm_kernel_gives_transformers_floats_within_float32_rounding(tiny_
     """With the project's kernels (``half``, on a CPU) the lean forward norms float32
     activations in ``specmesh_cpu::rms_norm``: transformers' products in transformers' order,
     the squares summed in another, so within float32 rounding of LlamaRMSNorm."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32)
-    lean = LeanLlama(model, half=True)
+    lean, norm, x = _norm_case(tiny_pair[0], rows, half=True)
     assert lean.kernel_norm
-    norm = model.model.layers[0].input_layernorm
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape,
-                                                generator=torch.Generator().manual_seed(1)))
-    x = 3 * torch.randn(1, rows, norm.weight.shape[0], generator=torch.Generator().manual_seed(rows))
     with torch.inference_mode():
         got, want = lean._rms(x, norm.weight), norm(x)
     assert got.shape == want.shape and got.dtype == torch.float32
