@@ -298,7 +298,6 @@ template <int NV> AVX2 void attend_pair(const Pair& a) {
   }
 }
 
-// "avx512", "avx2" or "" (neither: the Python side then keeps float32 weights)
 // One row of RMS norm: y = (x * 1 / sqrt(mean(x^2) + eps)) * w, as transformers' LlamaRMSNorm
 // orders it, the squares summed in four vectors of lanes (PyTorch's rms_norm is six operators
 // on a CPU, ~40 us a call inside a pass: 15% of a one-session pass of the demo target).
@@ -346,6 +345,7 @@ AVX2 void rope_head(const float* x, const float* c, const float* s, float* out, 
   }
 }
 
+// "avx512", "avx2" or "" (neither: the Python side then keeps float32 weights)
 std::string isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return "avx512";
@@ -364,39 +364,38 @@ Kernel kernel_for(bool bf16, const std::string& want) {
   return bf16 ? avx2_kernel<true>() : avx2_kernel<false>();
 }
 
-}  // namespace
-
-namespace {
-
-// Runs body(claim) on each of torch's threads, where claim() hands out consecutive ranges
-// [i0, i1) of 0..total - 1, each index once, then an empty range: a thread takes the next
-// range when it has finished its last, each range a share of what is left ("guided", as
-// OpenMP calls it: long runs first, so a thread streams its weights in order, then shorter
-// ones to even out the end). at::parallel_for splits the range evenly up front, so a thread
-// that the OS deschedules for a while (the gateway and Redis share these cores) held up the
-// whole call with its half undone; here the other threads take that work. Which thread
-// computes an output changes nothing in it: each is summed by one thread in a fixed order.
-struct Range {
-  int64_t begin, end;
-};
-
+// Runs body(each) on each of torch's threads, where each(f) calls f(i, end) for every index i
+// of 0..total - 1 the thread claims, once in all, the thread's claim being [.., end): a thread
+// claims the next run when it has finished its last, each run a share of what is left
+// ("guided", as OpenMP calls it: long runs first, so a thread streams its weights in order,
+// then shorter ones to even out the end). at::parallel_for splits the range evenly up front,
+// so a thread that the OS deschedules for a while (the gateway and Redis share these cores)
+// held up the whole call with its half undone; here the other threads take that work. Which
+// thread computes an output changes nothing in it: each is summed by one thread in a fixed
+// order.
 template <typename Body>
 void parallel_claims(int64_t total, const Body& body) {
   const int threads = at::get_num_threads();
   std::atomic<int64_t> next{0};
-  const auto claim = [&]() -> Range {
-    int64_t i = next.load(std::memory_order_relaxed);
-    while (i < total) {
+  const auto each = [&](const auto& f) {
+    for (int64_t i = next.load(std::memory_order_relaxed); i < total;) {
       const int64_t take = std::max<int64_t>(1, (total - i) / (2 * threads));
-      if (next.compare_exchange_weak(i, i + take, std::memory_order_relaxed)) return {i, i + take};
+      if (!next.compare_exchange_weak(i, i + take, std::memory_order_relaxed)) continue;
+      for (int64_t j = i; j < i + take; ++j) f(j, i + take);
+      i = next.load(std::memory_order_relaxed);
     }
-    return {total, total};
   };
   if (threads <= 1 || total <= 1 || at::in_parallel_region()) {
-    body(claim);
+    body(each);
     return;
   }
-  at::parallel_for(0, std::min<int64_t>(threads, total), 1, [&](int64_t, int64_t) { body(claim); });
+  at::parallel_for(0, std::min<int64_t>(threads, total), 1, [&](int64_t, int64_t) { body(each); });
+}
+
+// The operators below need AVX2 at least (the Python side asks ``isa`` before it calls them)
+void check_isa(const char* op) {
+  static const bool runs = !isa().empty();
+  TORCH_CHECK(runs, op, ": this CPU has neither AVX-512 nor AVX2");
 }
 
 }  // namespace
@@ -421,16 +420,15 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
   const auto* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   const int64_t tiles = Np / kern.width;
   if (M > 0) {
-    parallel_claims(tiles, [&](const auto& claim) {
-      for (Range got = claim(); got.begin < got.end; got = claim())
-        for (int64_t t = got.begin; t < got.end; ++t) {
+    parallel_claims(tiles, [&](const auto& each) {
+      each([&](int64_t t, int64_t) {
         const int64_t col = t * kern.width;  // the tile's first output
         const uint16_t* wt = w + (col / kBlock) * K * kBlock;
         for (int64_t m = 0; m < M; m += kern.rows) {
           const int r = static_cast<int>(std::min<int64_t>(kern.rows, M - m));
           kern.tiles[r](xp + m * K, K, wt, K, yp + m * Np + col, Np);
         }
-        }
+      });
     });
   }
   auto shape = x.sizes().vec();
@@ -473,8 +471,7 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
   TORCH_CHECK(D % 8 == 0 && D > 0 && D <= 128, "attention: D must be a multiple of 8, at most 128, got ", D);
   TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 2 && last.size(0) == n && last.size(1) > 0 &&
               R % last.size(1) == 0, "attention: last must be int64 [n, M] with M dividing q's R");
-  static const bool runs = !isa().empty();
-  TORCH_CHECK(runs, "attention: this CPU has neither AVX-512 nor AVX2");
+  check_isa("attention");
   using Fn = void (*)(const Pair&);
   static const Fn by_size[] = {nullptr, attend_pair<1>, attend_pair<2>, attend_pair<3>, attend_pair<4>,
                                attend_pair<5>, attend_pair<6>, attend_pair<7>, attend_pair<8>,
@@ -493,13 +490,11 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
   float* op = out.data_ptr<float>();
   float* sp = lse.data_ptr<float>();
   if (n * KV * R == 0) return {out, lse};
-  parallel_claims(n * KV, [&](const auto& claim) {
+  parallel_claims(n * KV, [&](const auto& each) {
     std::vector<int64_t> count(R);
     std::vector<float> scratch;
     int64_t row = -1, Lp = 0;
-    for (Range got = claim(); got.begin < got.end; got = claim())
-    for (int64_t p = got.begin; p < got.end; ++p) {
-      const int64_t after = p + 1 < got.end ? p + 1 : -1;
+    each([&](int64_t p, int64_t end) {
       const int64_t i = p / KV, h = p % KV;
       if (i != row) {  // the row's queries' counts, the same for each of its heads
         row = i;
@@ -511,8 +506,8 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
         Lp = std::max<int64_t>(16, (longest + 15) / 16 * 16);
         scratch.resize(static_cast<size_t>(R * Lp));
       }
-      if (after >= 0) {  // the next pair's first keys, while this pair runs
-        const int64_t i2 = after / KV, h2 = after % KV;
+      if (p + 1 < end) {  // the next pair's first keys, while this pair runs
+        const int64_t i2 = (p + 1) / KV, h2 = (p + 1) % KV;
         const char* k2 = reinterpret_cast<const char*>(kp + i2 * keys.stride(0) + h2 * keys.stride(1));
         for (int64_t line = 0; line < 32; ++line) _mm_prefetch(k2 + 64 * line, _MM_HINT_T1);
       }
@@ -521,7 +516,7 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
                    R, count.data(), static_cast<float>(scale), scratch.data(), Lp,
                    op + (i * KV + h) * R * D, sp + (i * KV + h) * R};
       fn(a);
-    }
+    });
   });
   return {out, lse};
 }
@@ -531,8 +526,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.device().is_cpu() &&
               weight.device().is_cpu() && weight.dim() == 1 && x.dim() >= 1 && x.size(-1) == weight.size(0),
               "rms_norm: x must be float32 [..., h] and weight float32 [h] on the CPU");
-  static const bool runs = !isa().empty();
-  TORCH_CHECK(runs, "rms_norm: this CPU has neither AVX-512 nor AVX2");
+  check_isa("rms_norm");
   const auto xs = x.contiguous();
   const auto ws = weight.contiguous();
   auto y = at::empty_like(xs);
@@ -562,8 +556,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
               ssin.sizes() == cos.sizes() && ssin.is_contiguous(), "rope_store: cos and ssin must be [T, D]");
   TORCH_CHECK(slot.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slot.numel() == T &&
               pos.numel() == T, "rope_store: slot and pos must be int64 [T]");
-  static const bool runs = !isa().empty();
-  TORCH_CHECK(runs, "rope_store: this CPU has neither AVX-512 nor AVX2");
+  check_isa("rope_store");
   const auto sl = slot.contiguous();
   const auto ps = pos.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
