@@ -169,7 +169,7 @@ class GenerationEngine:
             await self.store.acquire(handle.session_id, owner)
             await self.store.create(handle)
         req = RequestState(spec=spec, rounds=SessionRounds(handle), owner=owner, seed=seed,
-                       deadline=deadline, turn=turn)
+                           deadline=deadline, turn=turn)
         req.usage.prompt_tokens = len(prompt)
         return req
 
@@ -178,7 +178,7 @@ class GenerationEngine:
                          deadline) -> RequestState:
         """The request a resume continues, with its progress so far (round index, usage)."""
         req = RequestState(spec=spec, rounds=SessionRounds(h, index=turn.rounds), owner=owner,
-                       seed=turn.seed, deadline=deadline, turn=turn)
+                           seed=turn.seed, deadline=deadline, turn=turn)
         req.generated = len(h.tokens) - turn.start
         req.usage = Usage(prompt_tokens=turn.prompt_tokens, completion_tokens=req.generated,
                           rounds=turn.rounds, draft_tokens=turn.draft_tokens,
