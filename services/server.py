@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -46,6 +47,7 @@ async def serve(
     grpc.health.v1, for probes that cannot speak TLS. With ``config.parent_pid`` the server
     stops the same way once that process is no longer its parent (``_orphaned``).
     """
+    dump_stacks_on(signal.SIGUSR1)
     # DecodeGuard innermost: bytes that are not a valid request get INVALID_ARGUMENT.
     server = grpc.aio.server(options=config.grpc_options,
                              interceptors=[*(interceptors or ()), DecodeGuard()])
@@ -98,6 +100,14 @@ async def serve(
         await probe.stop(0)
     if on_stop is not None:
         await on_stop()
+
+
+def dump_stacks_on(sig: signal.Signals) -> None:
+    """``kill -USR1 <pid>`` writes every thread's Python stack to stderr (the service's log)
+    and the service runs on: how to see where a replica that stopped answering waits. A
+    fatal signal (SIGSEGV, SIGABRT, ...) writes them too before the process dies."""
+    faulthandler.enable()
+    faulthandler.register(sig, all_threads=True)
 
 
 PARENT_POLL_S = 1.0

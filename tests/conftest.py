@@ -7,7 +7,9 @@ separate OS process talking gRPC over loopback sockets.
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,40 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
                              do_sample=False)
     return out[0, len(prompt_ids):].tolist()
+
+
+_REPORTED: set[int] = set()  # meshes whose processes a failure has already reported
+LOG_TAIL_LINES = 80
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """When a test that uses a mesh fails, its report gets each of the mesh's processes:
+    running or its exit status, and its log's last lines, after SIGUSR1 made a running one
+    write its threads' stacks there (services/server.py ``dump_stacks_on``): a replica that
+    hangs or died on CI shows where. Once a mesh; a shared mesh's later failures refer back."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    meshes = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Mesh)]
+    for m in meshes:
+        if id(m) in _REPORTED:
+            report.sections.append(("mesh processes", "reported with this mesh's first failure"))
+            continue
+        _REPORTED.add(id(m))
+        running = [p for p in m.procs if p.popen.poll() is None and p.name != "redis"]
+        for p in running:
+            p.popen.send_signal(signal.SIGUSR1)
+        time.sleep(1.0 if running else 0)
+        report.sections.append(("mesh processes", "\n".join(_describe(p) for p in m.procs)))
+
+
+def _describe(p) -> str:
+    code = p.popen.poll()
+    state = "running" if code is None else f"exited with {code}"
+    try:
+        lines = p.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    except OSError as exc:
+        lines = [f"(log unreadable: {exc})"]
+    return "\n".join([f"--- {p.name} (pid {p.popen.pid}, {state}): {p.log_path}", *lines])
