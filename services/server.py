@@ -8,7 +8,9 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -103,11 +105,36 @@ async def serve(
 
 
 def dump_stacks_on(sig: signal.Signals) -> None:
-    """``kill -USR1 <pid>`` writes every thread's Python stack to stderr (the service's log)
-    and the service runs on: how to see where a replica that stopped answering waits. A
-    fatal signal (SIGSEGV, SIGABRT, ...) writes them too before the process dies."""
+    """``kill -USR1 <pid>`` writes every thread's Python stack and then every asyncio task's
+    to stderr (the service's log) and the service runs on: how to see where a service that
+    stopped answering waits, in a thread or in the event loop (the tasks are written once
+    the loop runs again). A fatal signal (SIGSEGV, SIGABRT, ...) writes the threads' stacks
+    too before the process dies. Called from the running event loop."""
+    asyncio.get_running_loop().add_signal_handler(sig, _print_tasks)
     faulthandler.enable()
-    faulthandler.register(sig, all_threads=True)
+    faulthandler.register(sig, all_threads=True, chain=True)  # then the loop's handler
+
+
+def _print_tasks() -> None:
+    """One line a task: its name, the chain of coroutines it is in (outermost first), and
+    what the innermost awaits; gRPC's own tasks that wait for the next call are counted."""
+    lines, idle = [], 0
+    for task in asyncio.all_tasks():
+        where, awaited = [], task.get_coro()
+        while awaited is not None and len(where) < 16:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                break
+            where.append(f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:"
+                         f"{frame.f_lineno})")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        if where and where[0].startswith(("_request_registered_call ", "_request_call ")):
+            idle += 1
+        else:
+            lines.append(f"  {task.get_name()}: {' > '.join(where)} awaits {awaited!r:.120}")
+    print(f"{len(lines)} asyncio tasks (and {idle} of gRPC's waiting for calls):",
+          *lines, sep="\n", file=sys.stderr)
+    sys.stderr.flush()
 
 
 PARENT_POLL_S = 1.0

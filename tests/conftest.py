@@ -98,7 +98,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 _REPORTED: set[int] = set()  # meshes whose processes a failure has already reported
-LOG_TAIL_LINES = 80
+LOG_TAIL_LINES = 150
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
@@ -99,3 +102,23 @@ def test_reflection_unknown_symbol_is_an_error_response(channels, role, service)
     (reply,) = _reflect(channels[role], file_containing_symbol="specmesh.v1.NoSuchThing")
     assert reply.WhichOneof("message_response") == "error_response"
     assert reply.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+@pytest.mark.parametrize("role", ["gateway", "verifier"])
+def test_sigusr1_writes_threads_and_tasks_to_the_log_and_the_service_serves_on(mesh, channels,
+                                                                                role):
+    """How an operator sees where a service that stopped answering waits: every thread's
+    stack (the verifier's model thread included) and one line per asyncio task, in its log."""
+    proc = mesh.proc("gateway" if role == "gateway" else "verifier-0")
+    before = proc.log_path.stat().st_size
+    proc.popen.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "asyncio tasks" not in (text := proc.log_path.read_bytes()[before:].decode()):
+        assert time.monotonic() < deadline, text[-2000:]
+        time.sleep(0.1)
+    assert "Current thread" in text and "Thread 0x" in text, text[-2000:]
+    assert "serve (server.py:" in text, text[-2000:]  # the task that runs the server
+    assert proc.popen.poll() is None
+    reply = health_pb2_grpc.HealthStub(channels[role]).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
