@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import threading
 import weakref
+from collections import deque
 
 import torch
 
@@ -81,11 +82,12 @@ class KVPool:
         self._free: list[int] = []  # a heap of released slots, reused before a new one
         self._clean: list[int] = []  # per slot: positions that hold numbers (written or 0)
         self._made = 0
-        self._lock = threading.Lock()  # released from whichever thread drops a cache
+        self._lock = threading.Lock()  # acquire() and bound(), on whichever thread calls them
+        self._returned: deque[int] = deque()  # slots given back, not yet in the heap (release)
 
     @property
     def in_use(self) -> int:
-        return self._made - len(self._free)
+        return self._made - len(self._free) - len(self._returned)
 
     @property
     def scratch(self) -> int | None:
@@ -96,6 +98,7 @@ class KVPool:
         """Lowers ``max_slots`` (a replica's --max-sessions and --kv-budget-mb); a segment
         larger than that shrinks to it while no slot is in use (the warm-up's is back)."""
         with self._lock:
+            self._take_returned()
             self.max_slots = min(self.max_slots, max_slots)
             if self.segment > self.max_slots and self._made == len(self._free):
                 self.segment = self.max_slots
@@ -106,6 +109,7 @@ class KVPool:
     def acquire(self) -> int | None:
         """A free slot, or None when all ``max_slots`` are in use."""
         with self._lock:
+            self._take_returned()
             if self._free:
                 return heapq.heappop(self._free)
             if self._made >= self.max_slots:
@@ -128,8 +132,18 @@ class KVPool:
             return self._made - 1
 
     def release(self, slot: int) -> None:
-        with self._lock:
-            heapq.heappush(self._free, slot)
+        """Gives ``slot`` back, taking no lock: it runs as a cache's finalizer, which the
+        cyclic garbage collector calls at whatever allocation starts a collection, on that
+        thread, also inside ``acquire`` while it holds the lock to allocate a segment. A
+        lock here deadlocked that thread (a verifier's model thread, whose sessions' failed
+        calls leave caches in reference cycles with their tracebacks, hung for good).
+        ``deque.append`` is atomic; the next ``acquire`` moves the slot to the heap."""
+        self._returned.append(slot)
+
+    def _take_returned(self) -> None:
+        """(Under the lock.) The slots given back since, into the heap of free ones."""
+        while self._returned:
+            heapq.heappush(self._free, self._returned.popleft())
 
     def ready(self, slot: int, live: int, length: int) -> None:
         """Makes positions [0, length) of ``slot``, whose cache holds ``live`` positions

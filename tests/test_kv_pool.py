@@ -8,6 +8,7 @@ queries), each row checked against transformers' own forward on its own DynamicC
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -66,6 +67,43 @@ def test_slots_go_lowest_first_come_back_when_the_cache_is_garbage_and_are_bound
     assert SlabCache(2, pool=pool).slot == 1  # lowest free first (garbage again at once)
     again = SlabCache(2, pool=pool), SlabCache(2, pool=pool)
     assert sorted(c.slot for c in again) == [1, 4] and len(pool.segments) == 2
+
+
+
+def test_a_cache_collected_while_the_pool_allocates_gives_its_slot_back_without_deadlock(
+        monkeypatch):
+    """The cyclic garbage collector runs at whatever allocation starts a collection, on that
+    thread: a pooled cache in a reference cycle (a failed call's traceback holding the frame
+    that held it) can be finalized inside acquire() while it allocates a segment under its
+    lock. The finalizer gives the slot back, and must not wait for that lock: it did, and a
+    verifier's model thread hung for good (CI, after the hostile-input tests). Here the
+    allocation collects on purpose, with automatic collections off so that nothing frees the
+    cache earlier."""
+    pool = KVPool(num_layers=1, kv_heads=1, head_dim=4, slot_len=8, segment=1, max_slots=4)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        cycle = {"cache": SlabCache(1, pool=pool)}
+        cycle["self"] = cycle
+        del cycle  # slot 0 is held by garbage only the cyclic collector frees
+        empty = torch.empty
+
+        def collecting_empty(*args, **kwargs):
+            gc.collect()
+            return empty(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "empty", collecting_empty)
+        got = []
+        thread = threading.Thread(target=lambda: got.append(pool.acquire()), daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "acquire() deadlocked in a collected cache's finalizer"
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert got == [1]  # a new segment's slot: slot 0 came back during the allocation
+    assert pool.in_use == 1
+    assert pool.acquire() == 0  # and is handed out next
 
 
 def test_a_pooled_cache_writes_its_slot_in_place_and_leaves_it_when_outgrown():
