@@ -135,9 +135,11 @@ class ModelServiceConfig:
     prefill_chunk: int = 256  # a longer prompt is fed this many tokens per pass; 0 = at once
     prefill_threads: int = 0  # torch threads for a pass that feeds a prompt; 0 = threads
     plain_threads: int = 0  # a verifier's passes without drafts: tried on this many; 0 = off
+    stall_s: float = 120.0  # a pass running longer: health NOT_SERVING until it ends; 0 = off
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
+        _require(self.stall_s >= 0, f"stall time must be >= 0 s (0 = off), got {self.stall_s}")
         _require(self.forward in FORWARD_MODES,
                  f"forward must be one of {', '.join(FORWARD_MODES)}, got {self.forward!r}")
         _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"),

@@ -91,6 +91,9 @@ class ModelRunner:
         self._waiting: list[tuple[StepJob, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # when the model thread's current pass began (None: it runs none): a stall watch
+        # reads it (services/stall_watch.py)
+        self.pass_started: float | None = None
 
     @property
     def queue_depth(self) -> int:
@@ -182,13 +185,25 @@ class ModelRunner:
         loop's (a list's length, a future's state): a stale one costs at most one pass."""
         jobs = [a.job for a in active]
         out = []
-        while True:
-            errors, ms = run_step(self.model, jobs, self.device, self.new_kv,
-                                  self._prefill_threads, self.plain)
-            out.append((errors, ms))
-            if (len(out) >= MAX_PASSES or self._waiting or any(e is not None for e in errors)
-                    or any(j.done for j in jobs) or any(a.future.done() for a in active)):
-                return out
+        try:
+            while True:
+                self.pass_started = time.monotonic()
+                errors, ms = run_step(self.model, jobs, self.device, self.new_kv,
+                                      self._prefill_threads, self.plain)
+                out.append((errors, ms))
+                if (len(out) >= MAX_PASSES or self._waiting or any(e is not None for e in errors)
+                        or any(j.done for j in jobs) or any(a.future.done() for a in active)):
+                    return out
+        finally:
+            self.pass_started = None
+
+    def _solo(self, job: SoloJob) -> tuple[Any, Exception | None]:
+        """On the model thread: a solo job, timed as one pass (``pass_started``)."""
+        self.pass_started = time.monotonic()
+        try:
+            return _capturing(job.run, self.model, self.device)
+        finally:
+            self.pass_started = None
 
     def _settle(self, a: _Active, error: BaseException | None, ms: float, batch: int) -> bool:
         """Accounts a run of passes (``ms``, their compute together) to an active job; True
@@ -214,7 +229,7 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             result, error = await asyncio.get_running_loop().run_in_executor(
-                self._executor, _capturing, job.run, self.model, self.device)
+                self._executor, self._solo, job)
         except Exception as exc:  # noqa: BLE001 - the executor could not run it (shut down)
             result, error = None, exc
         if error is not None:

@@ -28,6 +28,7 @@ from services.prefix_cache import PrefixCache
 from services.prefix_index import IndexPublisher
 from services.registry import Registration
 from services.server import serve
+from services.stall_watch import StallWatch
 from services.telemetry import Telemetry
 from specmesh.v1 import common_pb2
 
@@ -204,7 +205,16 @@ def run_service(config: ModelServiceConfig, telemetry: Telemetry, engine,
         engine.close()
         telemetry.shutdown()
 
+    watching: list[asyncio.Task] = []
+
+    def on_health(health) -> None:
+        runner = getattr(engine, "runner", None)  # (an n-gram drafter has no model thread)
+        if runner is not None and config.stall_s > 0:
+            watch = StallWatch(lambda: runner.pass_started, health, [service_name],
+                               config.stall_s)
+            watching.append(asyncio.get_running_loop().create_task(watch.run()))
+
     asyncio.run(serve(config.server, register, [service_name], on_started=on_started,
                       on_stop=on_stop, interceptors=telemetry.server_interceptors(),
-                      require_client_cert=True, drain=drain))
+                      require_client_cert=True, on_health=on_health, drain=drain))
 

@@ -37,6 +37,7 @@ from specmesh.options import (
     PrefixBlock,
     PrefixCacheMb,
     Redis,
+    StallS,
     Threads,
     TlsCa,
     TlsCert,
@@ -54,7 +55,7 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                    max_queue, telemetry, drafter_kind: str, redis: str, advertise: str,
                    kv_budget_mb: int, max_batch: int, forward: str, prefix_cache_mb: int,
                    prefix_block: int, prefill_chunk: int, prefill_threads: int,
-                   plain_threads: int = R["plain_threads"]) -> None:
+                   stall_s: float, plain_threads: int = R["plain_threads"]) -> None:
     from services.config import ModelServiceConfig
 
     model = model_reference(model, "--model")
@@ -68,7 +69,7 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                                     forward=forward, prefix_cache_mb=prefix_cache_mb,
                                     prefix_block=prefix_block, prefill_chunk=prefill_chunk,
                                     prefill_threads=prefill_threads,
-                                    plain_threads=plain_threads)
+                                    plain_threads=plain_threads, stall_s=stall_s)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     from services.models import device_problem
@@ -106,7 +107,7 @@ def drafter(model: Model,
             prefix_block: PrefixBlock = R["prefix_block"],
             prefill_chunk: PrefillChunk = R["prefill_chunk"],
             prefill_threads: PrefillThreads = R["prefill_threads"],
-            parent_pid: ParentPid = 0) -> None:
+            stall_s: StallS = R["stall_s"], parent_pid: ParentPid = 0) -> None:
     """Run a drafter: proposes draft tokens (with sparse q) from a small causal LM, or by
     prompt lookup (--kind ngram)."""
     _model_service("drafter", server_config(port, host, tls_cert, tls_key, tls_ca, health_port,
@@ -115,7 +116,7 @@ def drafter(model: Model,
                    threads, max_queue,
                    telemetry_config("drafter", metrics_port, log_format, log_level), kind, redis,
                    advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
-                   prefill_chunk, prefill_threads)
+                   prefill_chunk, prefill_threads, stall_s)
 
 
 @app.command()
@@ -132,7 +133,7 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              prefill_chunk: PrefillChunk = R["prefill_chunk"],
              prefill_threads: PrefillThreads = R["prefill_threads"],
              plain_threads: PlainThreads = R["plain_threads"],
-             parent_pid: ParentPid = 0) -> None:
+             stall_s: StallS = R["stall_s"], parent_pid: ParentPid = 0) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", server_config(port, host, tls_cert, tls_key, tls_ca, health_port,
                                             parent_pid), model,
@@ -140,7 +141,7 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
                    threads, max_queue,
                    telemetry_config("verifier", metrics_port, log_format, log_level), "model", redis,
                    advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
-                   prefill_chunk, prefill_threads, plain_threads)
+                   prefill_chunk, prefill_threads, stall_s, plain_threads)
 
 
 @app.command()

@@ -44,6 +44,12 @@ MetricsPort = Annotated[int, typer.Option("--metrics-port", envvar="SPECMESH_MET
                                           help="Serve Prometheus metrics on this port "
                                                "(0 = off).")]
 
+StallS = Annotated[float, typer.Option("--stall-s", envvar="SPECMESH_STALL_S",
+                                       help="Health turns NOT_SERVING while one forward pass "
+                                            "has run longer than this (a hung model thread; "
+                                            "a liveness probe then restarts the replica), "
+                                            "SERVING again once it ends (0 = off).")]
+
 
 def telemetry_config(service: str, metrics_port: int, log_format: str, log_level: str):
     """Telemetry settings; OTLP export follows the standard OTEL_* variables."""

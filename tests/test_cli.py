@@ -121,6 +121,7 @@ def test_up_refuses_a_pair_that_does_not_share_a_vocabulary(tmp_path):
     (["verifier", "--model", "x", "--prefill-threads", "-1"], "--prefill-threads"),
     (["verifier", "--model", "x", "--plain-threads", "-1"], "--plain-threads"),
     (["drafter", "--model", "x", "--plain-threads", "2"], "--plain-threads"),  # verifier's only
+    (["verifier", "--model", "x", "--stall-s", "-1"], "stall time must be >= 0 s"),
     (["gateway", "--redis", "http://x", "--verifiers", "h:1"], "redis URL"),
     (["gateway", "--redis", "redis://x", "--verifiers", "nohostport"], "HOST:PORT"),
 ])
