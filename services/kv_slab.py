@@ -134,9 +134,9 @@ class KVPool:
     def release(self, slot: int) -> None:
         """Gives ``slot`` back, taking no lock: it runs as a cache's finalizer, which the
         cyclic garbage collector calls at whatever allocation starts a collection, on that
-        thread, also inside ``acquire`` while it holds the lock to allocate a segment. A
-        lock here deadlocked that thread (a verifier's model thread, whose sessions' failed
-        calls leave caches in reference cycles with their tracebacks, hung for good).
+        thread, also inside ``acquire`` while it holds the lock to allocate a segment: a
+        lock here would wait there for its own thread, for good (a cache in a reference
+        cycle, e.g. with a failed call's traceback, is freed that way).
         ``deque.append`` is atomic; the next ``acquire`` moves the slot to the heap."""
         self._returned.append(slot)
 

@@ -75,10 +75,9 @@ def test_a_cache_collected_while_the_pool_allocates_gives_its_slot_back_without_
     """The cyclic garbage collector runs at whatever allocation starts a collection, on that
     thread: a pooled cache in a reference cycle (a failed call's traceback holding the frame
     that held it) can be finalized inside acquire() while it allocates a segment under its
-    lock. The finalizer gives the slot back, and must not wait for that lock: it did, and a
-    verifier's model thread hung for good (CI, after the hostile-input tests). Here the
-    allocation collects on purpose, with automatic collections off so that nothing frees the
-    cache earlier."""
+    lock. The finalizer gives the slot back, and must not wait for that lock: it did, which
+    would hang that thread (a replica's model thread) for good. Here the allocation collects
+    on purpose, with automatic collections off so that nothing frees the cache earlier."""
     pool = KVPool(num_layers=1, kv_heads=1, head_dim=4, slot_len=8, segment=1, max_slots=4)
     was_enabled = gc.isenabled()
     gc.disable()
