@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import typer
 
+from services import interrupts
 from services.interrupts import interrupting
 from services.local_mesh import Mesh, MeshSpec, start_mesh
 
@@ -35,6 +36,7 @@ def command_mesh(err) -> Iterator[Callable[[MeshSpec], Mesh]]:
     try:
         yield start
     except KeyboardInterrupt:
+        interrupts.handled()
         err.print("interrupted")
         raise typer.Exit(130) from None
     finally:

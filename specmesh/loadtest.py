@@ -27,6 +27,8 @@ from typing import Annotated
 
 import typer
 
+from services.interrupts import raise_pending
+
 PROMPTS = (
     "def fibonacci(n):\n",
     "import os\n\n\ndef list_files(path):\n",
@@ -143,6 +145,7 @@ def run_streams(address: str, opts: LoadOptions, *, duration_s: float | None = N
     try:
         while any(t.is_alive() for t in threads):
             next(t for t in threads if t.is_alive()).join(0.25)
+            raise_pending()  # a Ctrl-C or SIGTERM a finalizer swallowed (services/interrupts.py)
             if progress:
                 with lock:
                     errors = sum(not r.ok for r in records)
