@@ -141,22 +141,24 @@ def test_cells_wait_for_the_cpus_to_settle():
     """Between cells the bench waits until the CPUs are quiet (an engine that just served a
     cell may spin on: vLLM for CPU kept a core busy for about a second): with a process busy
     on one core for 1.5 s, wait_quiet returns only once it has ended; with it gone, at once;
-    and never later than its bound."""
+    and never later than its bound. The threshold, 0.8 cores, sits between the hog's one core
+    and what else a suite in progress runs meanwhile: at 0.5 a full suite once saw 16 s more
+    of such background after the hog had ended."""
     launched = time.monotonic()
     hog = subprocess.Popen([sys.executable, "-c",
                             "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
     try:
         time.sleep(0.3)  # (the interpreter has started and spins)
-        waited = wait_quiet(max_s=20.0, busy_cores=0.5)
+        waited = wait_quiet(max_s=20.0, busy_cores=0.8)
         assert time.monotonic() - launched >= 1.4, "returned while a core was still busy"
         assert waited < 10.0
     finally:
         hog.kill()
         hog.wait()
-    assert wait_quiet(max_s=20.0, busy_cores=0.5) < 2.0
+    assert wait_quiet(max_s=20.0, busy_cores=0.8) < 2.0
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        assert 1.0 <= wait_quiet(max_s=1.0, busy_cores=0.5) < 2.0  # gives up at the bound
+        assert 1.0 <= wait_quiet(max_s=1.0, busy_cores=0.8) < 2.0  # gives up at the bound
     finally:
         hog.kill()
         hog.wait()
