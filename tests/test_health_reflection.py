@@ -108,7 +108,7 @@ def test_reflection_unknown_symbol_is_an_error_response(channels, role, service)
 def test_sigusr1_writes_threads_and_tasks_to_the_log_and_the_service_serves_on(mesh, channels,
                                                                                 role):
     """How an operator sees where a service that stopped answering waits: every thread's
-    stack (the verifier's model thread included) and one line per asyncio task, in its log."""
+    stack and one line per asyncio task, in its log."""
     proc = mesh.proc("gateway" if role == "gateway" else "verifier-0")
     before = proc.log_path.stat().st_size
     proc.popen.send_signal(signal.SIGUSR1)
