@@ -13,11 +13,12 @@ whatever allocation frees the object: gRPC's call objects have them) raises insi
 the interpreter prints "Exception ignored" and drops it. `specmesh load` then ran its streams
 on after a SIGTERM. So each raise stays ``pending`` until whoever handles the interrupt says
 so (``handled``), and loops that wait on the main thread call ``raise_pending``, which raises
-it again.
+it again (``join`` waits for a thread that way).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -59,3 +60,11 @@ def raise_pending() -> None:
 def handled() -> None:
     """The interrupt was caught where it counts: ``raise_pending`` raises it no more."""
     _pending.clear()
+
+
+def join(thread: threading.Thread, poll_s: float = 0.25) -> None:
+    """``thread.join()`` on the main thread, raising a pending interrupt (``raise_pending``)
+    at least every ``poll_s``; it returns as soon as the thread ends."""
+    while thread.is_alive():
+        thread.join(poll_s)
+        raise_pending()

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
+from services import interrupts
+
 
 def cell_requests(prompts: int, concurrency: int, per_stream: int) -> int:
     """How many requests a cell of ``concurrency`` streams runs over ``prompts`` prompts: every
@@ -51,6 +53,6 @@ def run_workers(concurrency: int, n: int, one: Callable[[Any, int], dict],
     ready.wait()
     start = time.perf_counter()
     for t in threads:
-        t.join()
+        interrupts.join(t)  # a Ctrl-C or SIGTERM a finalizer swallowed still stops the bench
     wall = time.perf_counter() - start
     return sorted(records, key=lambda r: r["prompt_index"]), wall

@@ -12,6 +12,7 @@ import pytest
 
 from services import interrupts
 from services.local_mesh import free_port
+from specmesh.bench_workers import run_workers
 from specmesh.loadtest import LoadOptions, run_streams
 
 
@@ -64,4 +65,16 @@ def test_the_load_loop_stops_on_an_interrupt_that_was_swallowed(handler):
     with pytest.raises(KeyboardInterrupt):
         run_streams(f"127.0.0.1:{free_port()}", LoadOptions(streams=1, timeout_s=5),
                     duration_s=60)
+    assert time.monotonic() - start < 10
+
+
+def test_a_bench_cell_stops_on_an_interrupt_that_was_swallowed(handler):
+    """The same for `specmesh bench`: its cell waits for its workers through
+    ``interrupts.join``; this cell's one request would take a minute."""
+    obj = _SignalledWhileFinalized()
+    del obj
+    assert handler == [KeyboardInterrupt]
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_workers(1, 1, lambda conn, j: time.sleep(60) or {"prompt_index": j})
     assert time.monotonic() - start < 10
