@@ -97,7 +97,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-_REPORTED: set[int] = set()  # meshes whose processes a failure has already reported
+_REPORTED: list[Mesh] = []  # meshes whose processes a failure has already reported (by
+#                             identity: an id() could be a later mesh's once one is freed)
 LOG_TAIL_LINES = 150
 
 
@@ -113,10 +114,10 @@ def pytest_runtest_makereport(item, call):
         return
     meshes = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Mesh)]
     for m in meshes:
-        if id(m) in _REPORTED:
+        if any(m is seen for seen in _REPORTED):
             report.sections.append(("mesh processes", "reported with this mesh's first failure"))
             continue
-        _REPORTED.add(id(m))
+        _REPORTED.append(m)
         running = [p for p in m.procs if p.popen.poll() is None and p.name != "redis"]
         for p in running:
             p.popen.send_signal(signal.SIGUSR1)
