@@ -52,10 +52,16 @@ def cache_dir() -> Path:
 FLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
 
 
+def sources() -> list[Path]:
+    """The files the library is built from: ``SOURCE`` and the headers beside it, which it
+    includes."""
+    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+
+
 def _library_name() -> str:
     """The kernel's file name for this source, its flags and this PyTorch: a new one when any
     changes (the kernels inside are chosen at run time, so the file suits any x86-64 CPU)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources()) + " ".join(FLAGS).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     return f"cpu_kernels-{key}.so"
 

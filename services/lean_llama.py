@@ -161,6 +161,10 @@ class LeanLlama(torch.nn.Module):
         # (``specmesh_cpu::rope_store``: PyTorch's floats; it took the rotary module's four
         # operators, two cache writes and their views)
         self.kernel_rope = self.kernel_attention
+        # a cascade's shared prefix attended by all its queries at once and merged with their
+        # rests in one operator (``specmesh_cpu::prefix_attention``: AVX-512 only)
+        self.kernel_prefix = bool(self.kernel_attention
+                                  and torch.ops.specmesh_cpu.prefix_attention_isa())
         # RMS norms of float32 activations on a CPU in the project's kernel (one operator
         # for PyTorch's six; ``_rms``)
         self.kernel_norm = bool(half and weight.device.type == "cpu"
@@ -358,21 +362,29 @@ class LeanLlama(torch.nn.Module):
                                       H // KV, dev, kernel=self.kernel_attention)
         cascades = [ragged_attention.cascade_plan(rows, idx, p, starts, pooled, self.pool,
                                                   H // KV, dev, lambda b, p=p: rest_mask(b, p),
-                                                  self.kernel_attention)
+                                                  self.kernel_attention,
+                                                  self.kernel_attention and self.kernel_prefix)
                     for idx, p in groups]
         # one segment's call attends every token of the pass, in order: its output is the
         # layer's attention as it comes (a decode pass of one stream, rows in slot order)
         whole = len(plans) == 1 and plans[0].span == slice(0, T)
-        fused = whole and self.kernel_rope and not cascades  # (``kernel_rope``)
+        # or one cascade's call does: every row shares one prefix and sits in one segment
+        solo = cascades[0] if (not plans and len(cascades) == 1 and cascades[0].prefix_kernel
+                               and len(cascades[0].pooled) == 1
+                               and cascades[0].pooled[0].span == slice(0, T)) else None
+        fused = self.kernel_rope and (whole and not cascades or solo is not None)
         if fused:
             cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
         for i, w in enumerate(self.layers):
             if fused:  # rotate, split and write the keys and values in one operator
-                buffers = self.pool.segments[plans[0].segment][i]
+                p = plans[0] if solo is None else solo.pooled[0]
+                buffers = self.pool.segments[p.segment][i]
                 q = torch.ops.specmesh_cpu.rope_store(
                     w.qkv(self._rms(x[0], w.ln1)), cos_t, sin_t, H, KV, *buffers,
-                    plans[0].slot, plans[0].pos).transpose(0, 1)  # [H, T, D]
-                attn = ragged_attention.attend(plans[0], buffers, q, None, None)
+                    p.slot, p.pos).transpose(0, 1)  # [H, T, D]
+                attn = ragged_attention.attend(
+                    p, buffers, q, None, None,
+                    None if solo is None else ragged_attention.shared_part(solo, i, rows))
                 x = self.finish_layer(x, attn.transpose(0, 1).reshape(1, T, H * D), w)
                 continue
             q, k, v = (t.transpose(0, 1) for t in self.qkv(x[0], w, cos, sin))

@@ -178,12 +178,20 @@ def kernel_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def attend(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
-           k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+           k: torch.Tensor | None, v: torch.Tensor | None,
+           prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Writes the rows' new keys and values (k, v None: already written) and returns their
-    tokens' attention outputs [H, P, D] for queries q [H, T, D] (``_written_and_padded``)."""
+    tokens' attention outputs [H, P, D] for queries q [H, T, D] (``_written_and_padded``).
+    ``prefix``: a cascade's shared keys and values [KV, shared, D], which every query also
+    sees (the CPU kernel attends the slots from ``p.since`` on, ``prefix_attention`` the
+    prefix and merges the two)."""
     H, _, D = q.shape
     grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
-    if p.mask is None:
+    if prefix is not None:  # [n, KV, G M, D] in and out
+        out = torch.ops.specmesh_cpu.prefix_attention(
+            grouped, *prefix, *kernel_attention(grouped, keys, values, p.last, p.since),
+            D ** -0.5)
+    elif p.mask is None:
         out = kernel_attention(grouped, keys, values, p.last, p.since)[0]
     else:
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=p.mask)
@@ -250,15 +258,18 @@ class Cascade:
     # with the CPU kernel, every query's last shared position [1, 1] (made once a pass; the
     # pooled rests' plans carry their own): None where SDPA attends
     shared_last: torch.Tensor | None = None
+    # the shared prefix attended and merged by ``specmesh_cpu::prefix_attention``
+    prefix_kernel: bool = False
 
 
 def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequence[int],
                  pooled: set[int], pool, group: int, device: torch.device,
                  rest_mask: Callable[[int], torch.Tensor | None],
-                 kernel: bool = False) -> Cascade:
+                 kernel: bool = False, prefix_kernel: bool = False) -> Cascade:
     """Plans a group's attention; ``pooled``: which of its rows attend in their slots,
     ``rest_mask(b)``: a lone row's additive mask over its rest [G m, L - shared] (or None);
-    ``kernel``: the CPU kernel attends the pooled rows' rests."""
+    ``kernel``: the CPU kernel attends the pooled rows' rests; ``prefix_kernel``: the
+    shared prefix and the merge run in ``specmesh_cpu::prefix_attention``."""
     tok, columns, alone = [], {}, []
     for b in idx:
         m = len(rows[b].tokens)
@@ -273,7 +284,14 @@ def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequen
                                kernel),
                    shared_last=torch.full((1, 1), shared - 1, dtype=torch.long,
                                           device=device) if kernel else None,
-                   alone=alone)
+                   alone=alone, prefix_kernel=prefix_kernel)
+
+
+def shared_part(c: Cascade, layer: int, rows: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's shared keys and values in ``layer``, [KV, shared, D] each: its first
+    row's copy (every row's holds the same)."""
+    first = rows[c.rows[0]].kv.layers[layer]
+    return first.keys[0, :, :c.shared], first.values[0, :, :c.shared]
 
 
 def cascade(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int], pool,
@@ -283,6 +301,20 @@ def cascade(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int], pool,
     H, _, D = q.shape
     KV = k.shape[0]
     G, N = H // KV, len(c.tok)
+    if c.prefix_kernel:  # each part's queries attend the prefix and merge in one operator
+        prefix = shared_part(c, layer, rows)
+        out = q.new_empty(H, N, D)
+        for p in c.pooled:
+            out[:, p.cols] = attend(p, pool.segments[p.segment][layer], q, k, v, prefix)
+        for b, c0, c1, mask in c.alone:
+            cache = rows[b].kv.layers[layer]
+            s, m = starts[b], c1 - c0
+            grouped = q[None, :, s:s + m].reshape(1, KV, G * m, D)
+            rest = attend_lse(grouped, cache.keys[:, :, c.shared:], cache.values[:, :, c.shared:],
+                              mask)
+            out[:, c0:c1] = torch.ops.specmesh_cpu.prefix_attention(
+                grouped, *prefix, *rest, D ** -0.5).reshape(H, m, D)
+        return out
     o_s = q.new_empty(KV, G, N, D)  # over each row's own rest
     lse_s = q.new_empty(KV, G, N, dtype=torch.float32)
     for p in c.pooled:

@@ -75,7 +75,8 @@ def _load_elsewhere(tmp_path, env: dict[str, str], prebuild: bool = False) -> st
     it) whose source is a copy in ``tmp_path``: no prebuilt file beside it unless asked."""
     source = tmp_path / "csrc" / cpu_kernels.SOURCE.name
     source.parent.mkdir(exist_ok=True)
-    source.write_bytes(cpu_kernels.SOURCE.read_bytes())
+    for path in cpu_kernels.sources():
+        (source.parent / path.name).write_bytes(path.read_bytes())
     code = ("import sys; from pathlib import Path; from services import cpu_kernels as h; "
             f"h.SOURCE = Path({str(source)!r}); "
             + ("h.prebuild(); " if prebuild else "")

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from drafter_svc.tree import tree_visibility
 from services import rotary
-from services.batching import Row, forward_one, forward_rows
+from services.batching import Row, forward_one, forward_rows, shared_prefixes
 from services.kv_slab import SlabCache
 from services.lean_llama import (
     LeanLlama,
@@ -330,8 +330,10 @@ def test_tree_visibility_is_each_branch_prefix_and_its_own_tokens():
                        [1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 1]]
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["per-query", "dense"])
-@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "cpu-kernel"])
+@pytest.mark.parametrize("kernel, dense", [
+    (False, False), (False, True), (True, False), (True, True), ("prefix", False)],
+    ids=["sdpa-per-query", "sdpa-dense", "cpu-kernel-per-query", "cpu-kernel-dense",
+         "prefix-kernel"])
 @pytest.mark.parametrize("slots", ["pool", "own", "mixed"])
 def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models, slots,
                                                                          monkeypatch, kernel,
@@ -344,13 +346,20 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     row that shares nothing in the same pass; the rows' caches in pool slots (their rests
     attended in one call), in buffers of their own (one call each), or some of each; the
     pooled rests attended by SDPA or by the CPU kernel, the shared prefix by the same or as
-    matrix products (``dense_lse``). A wrong merge, mask or offset shows here."""
+    matrix products (``dense_lse``), or the prefix and the merge by the kernel's
+    ``prefix_attention`` (an AVX-512 CPU). A wrong merge, mask or offset shows here."""
     from services import cpu_kernels, ragged_attention
-    from services.batching import shared_prefixes
 
     hf, lean = models
-    monkeypatch.setattr(lean, "kernel_attention", kernel and cpu_kernels.kernel() == "")
-    assert lean.kernel_attention == kernel
+    monkeypatch.setattr(lean, "kernel_attention", bool(kernel) and cpu_kernels.kernel() == "")
+    assert lean.kernel_attention == bool(kernel)
+    monkeypatch.setattr(lean, "kernel_prefix", kernel == "prefix")
+    prefix_calls = []
+    if kernel == "prefix":
+        if not torch.ops.specmesh_cpu.prefix_attention_isa():
+            pytest.skip("prefix_attention needs AVX-512; this CPU has none")
+        monkeypatch.setattr(torch.ops.specmesh_cpu, "prefix_attention", lambda *a, op=(
+            torch.ops.specmesh_cpu.prefix_attention): prefix_calls.append(1) or op(*a))
     monkeypatch.setattr(ragged_attention, "DENSE_MIN", 1 if dense else 10**9)
     dense_lse = ragged_attention.dense_lse
     dense_calls = []
@@ -384,6 +393,10 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     segments = {"pool": 1, "own": 0, "mixed": 1}[slots]  # rows 0, 2, 4 in slots when mixed
     assert calls == [(160, segments)] * hf.config.num_hidden_layers  # one group, every layer
     assert len(dense_calls) == (hf.config.num_hidden_layers if dense else 0)
+    # with the prefix kernel: one call for the pooled rows, one per row of its own
+    own = {"pool": 0, "own": 4, "mixed": 1}[slots]  # the group: rows 0, 1, 2, 4
+    assert len(prefix_calls) == (hf.config.num_hidden_layers * (segments + own)
+                                 if kernel == "prefix" else 0)
     for (past, new, _), ref, out, row in zip(plan, refs, got, lean_rows, strict=True):
         torch.testing.assert_close(out, ref, **TOL)
         assert row.kv.get_seq_length() == len(past) + new
@@ -409,29 +422,37 @@ def test_attention_outputs_in_a_gpu_kernels_layout_give_the_same_logits(models, 
     test_batched_rows_match_each_row_alone(models)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(rows, monkeypatch):
+@pytest.mark.parametrize("rows, shared", [(1, 0), (5, 0), (5, 144)],
+                         ids=["one", "five", "five-sharing-a-prefix"])
+def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(rows, shared,
+                                                                             monkeypatch):
     """Decode passes whose tokens all attend in one pooled call run the rotary embedding,
     the split into heads and the cache writes in ``specmesh_cpu::rope_store``: the demo
     target's logits over three steps are the very floats of the operators it replaces, and
-    the caches hold the same keys and values after."""
+    the caches hold the same keys and values after. Rows that share a 144-token prefix
+    (one cascade, its shared part in ``prefix_attention`` where the CPU has AVX-512) take
+    the same fused path."""
     from services import ragged_attention
 
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
     assert lean.kernel_rope and lean.kernel_attention
+    if shared and not lean.kernel_prefix:
+        pytest.skip("prefix_attention needs AVX-512; this CPU has none")
     written = []  # per attend call: were the keys written before it (the fused path)?
     attend = ragged_attention.attend
-    monkeypatch.setattr(ragged_attention, "attend",
-                        lambda p, b, q, k, v: written.append(k is None) or attend(p, b, q, k, v))
+    monkeypatch.setattr(ragged_attention, "attend", lambda p, b, q, k, v, prefix=None: (
+        written.append((k is None, prefix is not None)) or attend(p, b, q, k, v, prefix)))
+    chain = list(range(500, 500 + shared // 16))  # the prefix's block hashes
 
     def sessions():
         g = torch.Generator().manual_seed(rows)
+        prefix = torch.randint(0, 8000, (shared,), generator=g).tolist()
         out = []
         for _ in range(rows):
             kv = lean.new_cache()
-            prompt = torch.randint(0, 8000, (int(torch.randint(20, 90, (1,), generator=g)),),
-                                   generator=g).tolist()
+            prompt = prefix + torch.randint(
+                0, 8000, (int(torch.randint(20, 90, (1,), generator=g)),), generator=g).tolist()
             forward_rows(lean, [Row(tokens=prompt, kv=kv, start=0, keep=1)], "cpu",
                          _no_batch_cache)
             out.append([kv, len(prompt)])
@@ -444,9 +465,11 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
             lean.kernel_rope = on
             written.clear()
             with torch.inference_mode():
-                got.append(lean.forward_ragged([Row(tokens=[7 + step + b], kv=kv, start=s, keep=1)
-                                                for b, (kv, s) in enumerate(caches)]))
-            assert written == [on] * len(lean.layers)  # one pooled call a layer, fused or not
+                step_rows = [Row(tokens=[7 + step + b], kv=kv, start=s, keep=1, chain=chain,
+                                 chain_tokens=shared) for b, (kv, s) in enumerate(caches)]
+                got.append(lean.forward_ragged(step_rows, shared_prefixes(step_rows)))
+            # one pooled call a layer, fused or not, over the shared prefix where there is one
+            assert written == [(on, bool(shared))] * len(lean.layers)
             for c in caches:
                 c[1] += 1
         for a, b in zip(*got, strict=True):

@@ -452,6 +452,8 @@ at::Tensor argmax_rows(const at::Tensor& x, const std::string& want) {
   return out;
 }
 
+#include "prefix_attention.h"
+
 // q [n, KV, R, D] float32; keys, values [n, KV, L, D] float32 with unit stride in D and one
 // stride between positions (views of a pool segment's buffers); last [n, M] int64 with R a
 // multiple of M: query r of row i sees the keys 0..last[i][r % M] - since. D a multiple of 8,
@@ -590,6 +592,9 @@ TORCH_LIBRARY(specmesh_cpu, m) {
   m.def("argmax(Tensor x, str isa=\"\") -> Tensor", &argmax_rows);
   m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor last, int since, float scale) "
         "-> (Tensor, Tensor)", &pooled_attention);
+  m.def("prefix_attention(Tensor q, Tensor keys, Tensor values, Tensor rest_out, Tensor rest_lse, "
+        "float scale) -> Tensor", &prefix_attention);
+  m.def("prefix_attention_isa() -> str", &prefix_attention_isa);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor ssin, int heads, int kv_heads, Tensor(a!) keys, "
         "Tensor(b!) values, Tensor slot, Tensor pos) -> Tensor", &rope_store);

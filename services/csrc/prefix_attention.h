@@ -1,0 +1,212 @@
+// Included by cpu_kernels.cpp (inside its anonymous namespace, after ``parallel_claims``):
+// a cascade's shared prefix attended by all of its queries at once, merged with what each
+// query attended on its own (services/ragged_attention.py ``cascade``).
+//
+// Rows that share a prefix of P positions attend to it with every query of the group: per key
+// head, Q = n R queries against the same P keys. The per-query kernel above reads each key
+// once per query (a decode pass is bound by that); here a block of 32 queries is held
+// transposed, QT [D][32], so each key's element is broadcast once and multiplies 32 queries in
+// two AVX-512 vectors: scores S [keys][32] = K QT by outer products (8 keys x 2 vectors in
+// registers), a running max and sum per query (online softmax, blocks of 64 keys), and the
+// outputs O^T [D][32] += V^T P the same way. Every query's sums run over the keys and D in a
+// fixed order, so its output does not depend on the others in its block or on the threads.
+// At the end each query's prefix part (o_p, lse_p) is merged with its own part (o_s, lse_s),
+//
+//     o = o_p exp(lse_p - lse) + o_s exp(lse_s - lse),  lse = logaddexp(lse_p, lse_s),
+//
+// which the Python side did in eight operators over the group's outputs.
+// AVX-512 only (it is bound by the multiply-adds, not by reading keys): on an AVX2 CPU the
+// Python side keeps its matrix products (``prefix_attention_isa`` says which).
+
+constexpr int64_t kQueries = 32;  // queries a task holds: two AVX-512 vectors
+constexpr int64_t kKeys = 64;     // keys per online-softmax block
+constexpr int64_t kTile = 8;      // keys (scores) or output features (values) in registers
+
+// expf as exp256 above, 16 lanes
+AVX512 inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(kExpLow);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lo);
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626f));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                  _mm512_set1_ps(0.5f)),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(e));
+}
+
+// One task: a key head's keys and values (rows ``kstep`` / ``vstep`` floats apart, P of them)
+// for the block's queries, QT [D][32] (already scaled); scratch S [kKeys][32]; O^T [D][32] out
+// (not yet divided by the sum); m, l [32] out: each query's max score and sum of exponentials.
+struct PrefixTask {
+  const float* k; const float* v; int64_t kstep, vstep, P, D;
+  const float* qt; float* s; float* ot; float* m; float* l;
+};
+
+AVX512 void prefix_block(const PrefixTask& t) {
+  const int64_t D = t.D;
+  __m512 m[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
+  __m512 l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t i = 0; i < D * kQueries; i += 16) _mm512_storeu_ps(t.ot + i, _mm512_setzero_ps());
+  for (int64_t j0 = 0; j0 < t.P; j0 += kKeys) {
+    const int64_t jn = std::min(kKeys, t.P - j0);
+    // scores of keys j0.. for the 32 queries: S[j] = sum_d K[j][d] QT[d], d in order
+    for (int64_t j = 0; j < jn; j += kTile) {
+      const int64_t tn = std::min(kTile, jn - j);
+      const float* kj = t.k + (j0 + j) * t.kstep;
+      // ask for these keys' values (read after the scores) and the next block's keys: a
+      // pass's prefix comes from memory or L3 (the weights streamed through since)
+      for (int64_t r = j; r < j + tn; ++r) {
+        const char* vr = reinterpret_cast<const char*>(t.v + (j0 + r) * t.vstep);
+        const char* kr = reinterpret_cast<const char*>(t.k + (j0 + kKeys + r) * t.kstep);
+        for (int64_t b = 0; b < D * 4; b += 64) {
+          _mm_prefetch(vr + b, _MM_HINT_T0);
+          if (j0 + kKeys + r < t.P) _mm_prefetch(kr + b, _MM_HINT_T0);
+        }
+      }
+      __m512 acc[kTile][2];
+      for (int r = 0; r < kTile; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      if (tn == kTile) {
+        for (int64_t d = 0; d < D; ++d) {
+          const __m512 q0 = _mm512_loadu_ps(t.qt + d * kQueries), q1 = _mm512_loadu_ps(t.qt + d * kQueries + 16);
+          for (int r = 0; r < kTile; ++r) {
+            const __m512 b = _mm512_set1_ps(kj[r * t.kstep + d]);
+            acc[r][0] = _mm512_fmadd_ps(b, q0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(b, q1, acc[r][1]);
+          }
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          const __m512 q0 = _mm512_loadu_ps(t.qt + d * kQueries), q1 = _mm512_loadu_ps(t.qt + d * kQueries + 16);
+          for (int r = 0; r < tn; ++r) {
+            const __m512 b = _mm512_set1_ps(kj[r * t.kstep + d]);
+            acc[r][0] = _mm512_fmadd_ps(b, q0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(b, q1, acc[r][1]);
+          }
+        }
+      }
+      for (int r = 0; r < tn; ++r) {
+        _mm512_storeu_ps(t.s + (j + r) * kQueries, acc[r][0]);
+        _mm512_storeu_ps(t.s + (j + r) * kQueries + 16, acc[r][1]);
+      }
+    }
+    // the block's max, the running sums rescaled to it, the scores' exponentials
+    __m512 alpha[2];
+    for (int c = 0; c < 2; ++c) {
+      __m512 top = m[c];
+      for (int64_t j = 0; j < jn; ++j) top = _mm512_max_ps(top, _mm512_loadu_ps(t.s + j * kQueries + 16 * c));
+      alpha[c] = exp512(_mm512_sub_ps(m[c], top));  // 0 for the first block (m = -inf)
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < jn; ++j) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(t.s + j * kQueries + 16 * c), top));
+        _mm512_storeu_ps(t.s + j * kQueries + 16 * c, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      l[c] = _mm512_fmadd_ps(l[c], alpha[c], sum);
+      m[c] = top;
+    }
+    // O^T[d] = O^T[d] alpha + sum_j V[j][d] S[j], keys in order
+    for (int64_t d0 = 0; d0 < D; d0 += kTile) {
+      __m512 acc[kTile][2];
+      for (int r = 0; r < kTile; ++r)
+        for (int c = 0; c < 2; ++c)
+          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(t.ot + (d0 + r) * kQueries + 16 * c), alpha[c]);
+      for (int64_t j = 0; j < jn; ++j) {
+        const float* vj = t.v + (j0 + j) * t.vstep + d0;
+        const __m512 p0 = _mm512_loadu_ps(t.s + j * kQueries), p1 = _mm512_loadu_ps(t.s + j * kQueries + 16);
+        for (int r = 0; r < kTile; ++r) {
+          const __m512 b = _mm512_set1_ps(vj[r]);
+          acc[r][0] = _mm512_fmadd_ps(b, p0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(b, p1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < kTile; ++r)
+        for (int c = 0; c < 2; ++c) _mm512_storeu_ps(t.ot + (d0 + r) * kQueries + 16 * c, acc[r][c]);
+    }
+  }
+  for (int c = 0; c < 2; ++c) {
+    _mm512_storeu_ps(t.m + 16 * c, m[c]);
+    _mm512_storeu_ps(t.l + 16 * c, l[c]);
+  }
+}
+
+bool prefix_attention_runs() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+std::string prefix_attention_isa() { return prefix_attention_runs() ? "avx512" : ""; }
+
+// q, rest_out [n, KV, R, D] float32 (any strides, unit stride in D for rest_out); rest_lse
+// [n, KV, R]; keys, values [KV, P, D] float32 with unit stride in D: the shared prefix, seen
+// whole by every query. Returns [n, KV, R, D]: each query's attention over the prefix merged
+// with its rest (rest_out, rest_lse: what it attended apart; lse -inf for none).
+at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& rest_out, const at::Tensor& rest_lse, double scale) {
+  for (const auto* t : {&q, &keys, &values, &rest_out, &rest_lse})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
+                "prefix_attention: every tensor must be float32 on the CPU");
+  TORCH_CHECK(q.dim() == 4 && rest_out.sizes() == q.sizes(),
+              "prefix_attention: q and rest_out must be [n, KV, R, D], the same shape");
+  const int64_t n = q.size(0), KV = q.size(1), R = q.size(2), D = q.size(3);
+  TORCH_CHECK(rest_lse.dim() == 3 && rest_lse.size(0) == n && rest_lse.size(1) == KV && rest_lse.size(2) == R,
+              "prefix_attention: rest_lse must be [n, KV, R] for q [n, KV, R, D]");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.size(0) == KV && keys.size(2) == D,
+              "prefix_attention: keys and values must be [KV, P, D] for q [n, KV, R, D]");
+  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1 && rest_out.stride(3) == 1,
+              "prefix_attention: keys, values and rest_out need unit stride in D");
+  TORCH_CHECK(D % kTile == 0 && D > 0 && D <= 256, "prefix_attention: D must be a multiple of 8, at most 256, got ", D);
+  TORCH_CHECK(prefix_attention_runs(), "prefix_attention: this CPU has no AVX-512");
+  const int64_t P = keys.size(1), Q = n * R, blocks = (Q + kQueries - 1) / kQueries;
+  auto out = at::empty({n, KV, R, D}, q.options());
+  if (Q == 0 || KV == 0) return out;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  const float* rp = rest_out.data_ptr<float>();
+  const float* lp = rest_lse.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto qs = q.strides(), rs = rest_out.strides(), ls = rest_lse.strides();
+  const float sc = static_cast<float>(scale);
+  parallel_claims(KV * blocks, [&](const auto& each) {
+    std::vector<float> qt(D * kQueries), s(kKeys * kQueries), ot(D * kQueries), m(kQueries), l(kQueries);
+    each([&](int64_t task, int64_t) {
+      const int64_t h = task / blocks, first = task % blocks * kQueries;
+      const int64_t lanes = std::min(kQueries, Q - first);
+      std::fill(qt.begin(), qt.end(), 0.0f);
+      for (int64_t c = 0; c < lanes; ++c) {  // query first + c: row i, query r of the head
+        const int64_t i = (first + c) / R, r = (first + c) % R;
+        const float* qc = qp + i * qs[0] + h * qs[1] + r * qs[2];
+        for (int64_t d = 0; d < D; ++d) qt[d * kQueries + c] = qc[d * qs[3]] * sc;
+      }
+      if (P > 0) {
+        const PrefixTask t{kp + h * keys.stride(0), vp + h * values.stride(0), keys.stride(1),
+                           values.stride(1), P, D, qt.data(), s.data(), ot.data(), m.data(), l.data()};
+        prefix_block(t);
+      }
+      for (int64_t c = 0; c < lanes; ++c) {
+        const int64_t i = (first + c) / R, r = (first + c) % R;
+        const float* rc = rp + i * rs[0] + h * rs[1] + r * rs[2];
+        const float lse_s = lp[i * ls[0] + h * ls[1] + r * ls[2]];
+        const float lse_p = P > 0 ? m[c] + std::log(l[c]) : -INFINITY;
+        const float top = std::max(lse_p, lse_s);
+        // the two parts' weights; a part with lse -inf weighs 0 (none: the output is zeros)
+        const float lse = top == -INFINITY ? top : top + std::log(std::exp(lse_p - top) + std::exp(lse_s - top));
+        const float wp = lse_p == -INFINITY ? 0.0f : std::exp(lse_p - lse) / l[c];
+        const float ws = lse_s == -INFINITY ? 0.0f : std::exp(lse_s - lse);
+        float* oc = op + ((i * KV + h) * R + r) * D;
+        for (int64_t d = 0; d < D; ++d) oc[d] = ot[d * kQueries + c] * wp + rc[d] * ws;
+      }
+    });
+  });
+  return out;
+}
