@@ -10,6 +10,9 @@ compiler on first use and loaded as PyTorch operators.
   time (py-spy; docs/performance.md).
 - ``specmesh_cpu::attention``: the attention of a pass's pooled decode and verify rows, each
   row over its own keys only (services/ragged_attention.py).
+- ``specmesh_cpu::prefix_attention``: a cascade's shared prefix attended by all of its
+  queries at once and merged with what each attended on its own (services/csrc/
+  prefix_attention.h, services/ragged_attention.py ``attend``); AVX-512 only.
 - ``specmesh_cpu::rms_norm``: transformers' LlamaRMSNorm of float32 rows in one operator
   (PyTorch's runs six on a CPU: ~40 us a call inside a pass; services/lean_llama.py ``_rms``).
 - ``specmesh_cpu::rope_store``: a layer's rotary embedding of its queries and keys (the
@@ -18,7 +21,9 @@ compiler on first use and loaded as PyTorch operators.
 
 The linear and argmax kernels are compiled for AVX-512 and for AVX2 with F16C and FMA and
 picked at run time; the attention, norm and rotary kernels for AVX2 with FMA only (the
-attention is bound by reading the caches: an AVX-512 build was no faster). So the library
+attention is bound by reading the caches: an AVX-512 build was no faster); the prefix
+attention, bound by its multiply-adds, for AVX-512 only (``prefix_attention_isa`` is "" on
+other CPUs, whose passes keep PyTorch's matrix products for it). So the library
 suits any x86-64 CPU with AVX2. It is kept in ``cache_dir`` per source, flags and PyTorch
 version, or shipped beside the source by an image built with a compiler (``prebuild``).
 Without either, or on another CPU, ``kernel`` says why and the callers keep PyTorch's

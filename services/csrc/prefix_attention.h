@@ -18,7 +18,7 @@
 // AVX-512 only (it is bound by the multiply-adds, not by reading keys): on an AVX2 CPU the
 // Python side keeps its matrix products (``prefix_attention_isa`` says which).
 
-constexpr int64_t kQueries = 32;  // queries a task holds: two AVX-512 vectors
+constexpr int64_t kQueries = 32;  // queries a task holds at most: two AVX-512 vectors
 constexpr int64_t kKeys = 64;     // keys per online-softmax block
 constexpr int64_t kTile = 8;      // keys (scores) or output features (values) in registers
 
@@ -52,10 +52,12 @@ struct PrefixTask {
   const float* qt; float* s; float* ot; float* m; float* l;
 };
 
-AVX512 void prefix_block(const PrefixTask& t) {
+// C vectors of queries (16 C, QT rows that far apart): one where a call has at most 16
+template <int C> AVX512 void prefix_block(const PrefixTask& t) {
+  constexpr int64_t kQueries = 16 * C;
   const int64_t D = t.D;
-  __m512 m[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
-  __m512 l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 m[C], l[C];
+  for (int c = 0; c < C; ++c) m[c] = _mm512_set1_ps(-INFINITY), l[c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < D * kQueries; i += 16) _mm512_storeu_ps(t.ot + i, _mm512_setzero_ps());
   for (int64_t j0 = 0; j0 < t.P; j0 += kKeys) {
     const int64_t jn = std::min(kKeys, t.P - j0);
@@ -73,35 +75,27 @@ AVX512 void prefix_block(const PrefixTask& t) {
           if (j0 + kKeys + r < t.P) _mm_prefetch(kr + b, _MM_HINT_T0);
         }
       }
-      __m512 acc[kTile][2];
-      for (int r = 0; r < kTile; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      if (tn == kTile) {
+      __m512 acc[kTile][C];
+      for (int r = 0; r < kTile; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+      const auto tile = [&](int rows) AVX512 {  // (a constant count in the full tiles' loop)
         for (int64_t d = 0; d < D; ++d) {
-          const __m512 q0 = _mm512_loadu_ps(t.qt + d * kQueries), q1 = _mm512_loadu_ps(t.qt + d * kQueries + 16);
-          for (int r = 0; r < kTile; ++r) {
+          __m512 qd[C];
+          for (int c = 0; c < C; ++c) qd[c] = _mm512_loadu_ps(t.qt + d * kQueries + 16 * c);
+          for (int r = 0; r < rows; ++r) {
             const __m512 b = _mm512_set1_ps(kj[r * t.kstep + d]);
-            acc[r][0] = _mm512_fmadd_ps(b, q0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(b, q1, acc[r][1]);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b, qd[c], acc[r][c]);
           }
         }
-      } else {
-        for (int64_t d = 0; d < D; ++d) {
-          const __m512 q0 = _mm512_loadu_ps(t.qt + d * kQueries), q1 = _mm512_loadu_ps(t.qt + d * kQueries + 16);
-          for (int r = 0; r < tn; ++r) {
-            const __m512 b = _mm512_set1_ps(kj[r * t.kstep + d]);
-            acc[r][0] = _mm512_fmadd_ps(b, q0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(b, q1, acc[r][1]);
-          }
-        }
-      }
-      for (int r = 0; r < tn; ++r) {
-        _mm512_storeu_ps(t.s + (j + r) * kQueries, acc[r][0]);
-        _mm512_storeu_ps(t.s + (j + r) * kQueries + 16, acc[r][1]);
-      }
+      };
+      if (tn == kTile) tile(kTile);
+      else tile(static_cast<int>(tn));
+      for (int r = 0; r < tn; ++r)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(t.s + (j + r) * kQueries + 16 * c, acc[r][c]);
     }
     // the block's max, the running sums rescaled to it, the scores' exponentials
-    __m512 alpha[2];
-    for (int c = 0; c < 2; ++c) {
+    __m512 alpha[C];
+    for (int c = 0; c < C; ++c) {
       __m512 top = m[c];
       for (int64_t j = 0; j < jn; ++j) top = _mm512_max_ps(top, _mm512_loadu_ps(t.s + j * kQueries + 16 * c));
       alpha[c] = exp512(_mm512_sub_ps(m[c], top));  // 0 for the first block (m = -inf)
@@ -116,24 +110,24 @@ AVX512 void prefix_block(const PrefixTask& t) {
     }
     // O^T[d] = O^T[d] alpha + sum_j V[j][d] S[j], keys in order
     for (int64_t d0 = 0; d0 < D; d0 += kTile) {
-      __m512 acc[kTile][2];
+      __m512 acc[kTile][C];
       for (int r = 0; r < kTile; ++r)
-        for (int c = 0; c < 2; ++c)
+        for (int c = 0; c < C; ++c)
           acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(t.ot + (d0 + r) * kQueries + 16 * c), alpha[c]);
       for (int64_t j = 0; j < jn; ++j) {
         const float* vj = t.v + (j0 + j) * t.vstep + d0;
-        const __m512 p0 = _mm512_loadu_ps(t.s + j * kQueries), p1 = _mm512_loadu_ps(t.s + j * kQueries + 16);
+        __m512 pj[C];
+        for (int c = 0; c < C; ++c) pj[c] = _mm512_loadu_ps(t.s + j * kQueries + 16 * c);
         for (int r = 0; r < kTile; ++r) {
           const __m512 b = _mm512_set1_ps(vj[r]);
-          acc[r][0] = _mm512_fmadd_ps(b, p0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(b, p1, acc[r][1]);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b, pj[c], acc[r][c]);
         }
       }
       for (int r = 0; r < kTile; ++r)
-        for (int c = 0; c < 2; ++c) _mm512_storeu_ps(t.ot + (d0 + r) * kQueries + 16 * c, acc[r][c]);
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(t.ot + (d0 + r) * kQueries + 16 * c, acc[r][c]);
     }
   }
-  for (int c = 0; c < 2; ++c) {
+  for (int c = 0; c < C; ++c) {
     _mm512_storeu_ps(t.m + 16 * c, m[c]);
     _mm512_storeu_ps(t.l + 16 * c, l[c]);
   }
@@ -166,7 +160,9 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "prefix_attention: keys, values and rest_out need unit stride in D");
   TORCH_CHECK(D % kTile == 0 && D > 0 && D <= 256, "prefix_attention: D must be a multiple of 8, at most 256, got ", D);
   TORCH_CHECK(prefix_attention_runs(), "prefix_attention: this CPU has no AVX-512");
-  const int64_t P = keys.size(1), Q = n * R, blocks = (Q + kQueries - 1) / kQueries;
+  const int64_t P = keys.size(1), Q = n * R;
+  const int64_t width = Q <= 16 ? 16 : kQueries;  // queries a task: a half-empty block costs as much
+  const int64_t blocks = (Q + width - 1) / width;
   auto out = at::empty({n, KV, R, D}, q.options());
   if (Q == 0 || KV == 0) return out;
   const float* qp = q.data_ptr<float>();
@@ -178,20 +174,21 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const auto qs = q.strides(), rs = rest_out.strides(), ls = rest_lse.strides();
   const float sc = static_cast<float>(scale);
   parallel_claims(KV * blocks, [&](const auto& each) {
-    std::vector<float> qt(D * kQueries), s(kKeys * kQueries), ot(D * kQueries), m(kQueries), l(kQueries);
+    std::vector<float> qt(D * width), s(kKeys * width), ot(D * width), m(width), l(width);
     each([&](int64_t task, int64_t) {
-      const int64_t h = task / blocks, first = task % blocks * kQueries;
-      const int64_t lanes = std::min(kQueries, Q - first);
+      const int64_t h = task / blocks, first = task % blocks * width;
+      const int64_t lanes = std::min(width, Q - first);
       std::fill(qt.begin(), qt.end(), 0.0f);
       for (int64_t c = 0; c < lanes; ++c) {  // query first + c: row i, query r of the head
         const int64_t i = (first + c) / R, r = (first + c) % R;
         const float* qc = qp + i * qs[0] + h * qs[1] + r * qs[2];
-        for (int64_t d = 0; d < D; ++d) qt[d * kQueries + c] = qc[d * qs[3]] * sc;
+        for (int64_t d = 0; d < D; ++d) qt[d * width + c] = qc[d * qs[3]] * sc;
       }
       if (P > 0) {
         const PrefixTask t{kp + h * keys.stride(0), vp + h * values.stride(0), keys.stride(1),
                            values.stride(1), P, D, qt.data(), s.data(), ot.data(), m.data(), l.data()};
-        prefix_block(t);
+        if (width == 16) prefix_block<1>(t);
+        else prefix_block<2>(t);
       }
       for (int64_t c = 0; c < lanes; ++c) {
         const int64_t i = (first + c) / R, r = (first + c) % R;
@@ -204,7 +201,7 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
         const float wp = lse_p == -INFINITY ? 0.0f : std::exp(lse_p - lse) / l[c];
         const float ws = lse_s == -INFINITY ? 0.0f : std::exp(lse_s - lse);
         float* oc = op + ((i * KV + h) * R + r) * D;
-        for (int64_t d = 0; d < D; ++d) oc[d] = ot[d * kQueries + c] * wp + rc[d] * ws;
+        for (int64_t d = 0; d < D; ++d) oc[d] = ot[d * width + c] * wp + rc[d] * ws;
       }
     });
   });
