@@ -4,23 +4,27 @@
 //
 // Rows that share a prefix of P positions attend to it with every query of the group: per key
 // head, Q = n R queries against the same P keys. The per-query kernel above reads each key
-// once per query (a decode pass is bound by that); here a block of 32 queries is held
-// transposed, QT [D][32], so each key's element is broadcast once and multiplies 32 queries in
-// two AVX-512 vectors: scores S [keys][32] = K QT by outer products (8 keys x 2 vectors in
-// registers), a running max and sum per query (online softmax, blocks of 64 keys), and the
-// outputs O^T [D][32] += V^T P the same way. Every query's sums run over the keys and D in a
-// fixed order, so its output does not depend on the others in its block or on the threads.
+// once per query (a decode pass is bound by that); here a block of up to 64 queries is held
+// transposed, QT [D][64], so each key's element is broadcast once and multiplies them all in
+// up to four AVX-512 vectors (16, 32 or 64 queries: the fewest that hold the call's, so a
+// pass reads the prefix once up to 64 queries a key head): scores S [keys][64] = K QT by
+// outer products (8 keys x 2 vectors, or 4 x 4, in registers), a running max and sum per
+// query (online softmax, blocks of 64 keys), and the outputs O^T [D][64] += V^T P the same
+// way. Every query's sums run over the keys and D in a fixed order, so its output does not
+// depend on the others in its block, the block's width or the threads.
 // At the end each query's prefix part (o_p, lse_p) is merged with its own part (o_s, lse_s),
 //
 //     o = o_p exp(lse_p - lse) + o_s exp(lse_s - lse),  lse = logaddexp(lse_p, lse_s),
 //
 // which the Python side did in eight operators over the group's outputs.
-// AVX-512 only (it is bound by the multiply-adds, not by reading keys): on an AVX2 CPU the
+// AVX-512 only (most of its time is multiply-adds, which AVX2 does eight lanes at a time,
+// and the rest waiting on the prefix's keys and values from memory): on an AVX2 CPU the
 // Python side keeps its matrix products (``prefix_attention_isa`` says which).
 
-constexpr int64_t kQueries = 32;  // queries a task holds at most: two AVX-512 vectors
+constexpr int64_t kQueries = 64;  // queries a task holds at most: four AVX-512 vectors
 constexpr int64_t kKeys = 64;     // keys per online-softmax block
-constexpr int64_t kTile = 8;      // keys (scores) or output features (values) in registers
+constexpr int64_t kTile = 8;      // keys (scores) or output features (values) in registers,
+                                  // 4 with four vectors of queries (16 accumulators)
 
 // expf as exp256 above, 16 lanes
 AVX512 inline __m512 exp512(__m512 x) {
@@ -55,13 +59,14 @@ struct PrefixTask {
 // C vectors of queries (16 C, QT rows that far apart): one where a call has at most 16
 template <int C> AVX512 void prefix_block(const PrefixTask& t) {
   constexpr int64_t kQueries = 16 * C;
+  constexpr int64_t kTile = C > 2 ? 4 : 8;
   const int64_t D = t.D;
   __m512 m[C], l[C];
   for (int c = 0; c < C; ++c) m[c] = _mm512_set1_ps(-INFINITY), l[c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < D * kQueries; i += 16) _mm512_storeu_ps(t.ot + i, _mm512_setzero_ps());
   for (int64_t j0 = 0; j0 < t.P; j0 += kKeys) {
     const int64_t jn = std::min(kKeys, t.P - j0);
-    // scores of keys j0.. for the 32 queries: S[j] = sum_d K[j][d] QT[d], d in order
+    // scores of keys j0.. for the block's queries: S[j] = sum_d K[j][d] QT[d], d in order
     for (int64_t j = 0; j < jn; j += kTile) {
       const int64_t tn = std::min(kTile, jn - j);
       const float* kj = t.k + (j0 + j) * t.kstep;
@@ -161,7 +166,9 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
   TORCH_CHECK(D % kTile == 0 && D > 0 && D <= 256, "prefix_attention: D must be a multiple of 8, at most 256, got ", D);
   TORCH_CHECK(prefix_attention_runs(), "prefix_attention: this CPU has no AVX-512");
   const int64_t P = keys.size(1), Q = n * R;
-  const int64_t width = Q <= 16 ? 16 : kQueries;  // queries a task: a half-empty block costs as much
+  // queries a task: a half-empty block costs as much; a full one reads the prefix once for
+  // all (at 16 sessions of 4 queries a key head, two blocks of 32 read it twice)
+  const int64_t width = Q <= 16 ? 16 : Q <= 32 ? 32 : kQueries;
   const int64_t blocks = (Q + width - 1) / width;
   auto out = at::empty({n, KV, R, D}, q.options());
   if (Q == 0 || KV == 0) return out;
@@ -188,7 +195,8 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
         const PrefixTask t{kp + h * keys.stride(0), vp + h * values.stride(0), keys.stride(1),
                            values.stride(1), P, D, qt.data(), s.data(), ot.data(), m.data(), l.data()};
         if (width == 16) prefix_block<1>(t);
-        else prefix_block<2>(t);
+        else if (width == 32) prefix_block<2>(t);
+        else prefix_block<4>(t);
       }
       for (int64_t c = 0; c < lanes; ++c) {
         const int64_t i = (first + c) / R, r = (first + c) % R;
