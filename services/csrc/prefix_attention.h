@@ -140,7 +140,8 @@ template <int C> AVX512 void prefix_block(const PrefixTask& t) {
 
 bool prefix_attention_runs() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
+  // (the AVX512 target lets the compiler use AVX-512BW as well)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
 std::string prefix_attention_isa() { return prefix_attention_runs() ? "avx512" : ""; }
