@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from drafter_svc.tree import tree_visibility
 from services import rotary
 from services.batching import Row, forward_one, forward_rows, shared_prefixes
-from services.kv_slab import SlabCache
+from services.kv_slab import KVPool, SlabCache
 from services.lean_llama import (
     LeanLlama,
     lean_forward,
@@ -334,7 +334,7 @@ def test_tree_visibility_is_each_branch_prefix_and_its_own_tokens():
     (False, False), (False, True), (True, False), (True, True), ("prefix", False)],
     ids=["sdpa-per-query", "sdpa-dense", "cpu-kernel-per-query", "cpu-kernel-dense",
          "prefix-kernel"])
-@pytest.mark.parametrize("slots", ["pool", "own", "mixed"])
+@pytest.mark.parametrize("slots", ["pool", "own", "mixed", "segments"])
 def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models, slots,
                                                                          monkeypatch, kernel,
                                                                          dense):
@@ -344,13 +344,19 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     log-sum-exp; each row's logits still equal that row run alone through HF - rows of one
     and of several new tokens, a row whose new tokens start right after the prefix, and a
     row that shares nothing in the same pass; the rows' caches in pool slots (their rests
-    attended in one call), in buffers of their own (one call each), or some of each; the
+    attended in one call), in slots of three pool segments (one call each), in buffers of
+    their own (one call each), or some of each; the
     pooled rests attended by SDPA or by the CPU kernel, the shared prefix by the same or as
     matrix products (``dense_lse``), or the prefix and the merge by the kernel's
     ``prefix_attention`` (an AVX-512 CPU). A wrong merge, mask or offset shows here."""
     from services import cpu_kernels, ragged_attention
 
     hf, lean = models
+    if slots == "segments":  # a pool of two slots a segment: the group's rows in three
+        p = lean.pool
+        monkeypatch.setattr(lean, "pool", KVPool(p.num_layers, lean._kv_heads, lean._head_dim,
+                                                 p.slot_len, segment=2, max_slots=p.max_slots,
+                                                 dtype=p.dtype, device="cpu"))
     monkeypatch.setattr(lean, "kernel_attention", bool(kernel) and cpu_kernels.kernel() == "")
     assert lean.kernel_attention == bool(kernel)
     monkeypatch.setattr(lean, "kernel_prefix", kernel == "prefix")
@@ -390,11 +396,12 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
                             c, *args))
     refs = [forward_one(hf, row, "cpu") for row in hf_rows]
     got = forward_rows(lean, lean_rows, "cpu", _no_batch_cache)
-    segments = {"pool": 1, "own": 0, "mixed": 1}[slots]  # rows 0, 2, 4 in slots when mixed
+    # rows 0, 2, 4 in slots when mixed; 0-1, 2 (3 beside it) and 4 with two a segment
+    segments = {"pool": 1, "own": 0, "mixed": 1, "segments": 3}[slots]
     assert calls == [(160, segments)] * hf.config.num_hidden_layers  # one group, every layer
     assert len(dense_calls) == (hf.config.num_hidden_layers if dense else 0)
     # with the prefix kernel: one call for the pooled rows, one per row of its own
-    own = {"pool": 0, "own": 4, "mixed": 1}[slots]  # the group: rows 0, 1, 2, 4
+    own = {"pool": 0, "own": 4, "mixed": 1, "segments": 0}[slots]  # the group: rows 0, 1, 2, 4
     assert len(prefix_calls) == (hf.config.num_hidden_layers * (segments + own)
                                  if kernel == "prefix" else 0)
     for (past, new, _), ref, out, row in zip(plan, refs, got, lean_rows, strict=True):
