@@ -22,8 +22,8 @@ compiler on first use and loaded as PyTorch operators.
 The linear and argmax kernels are compiled for AVX-512 and for AVX2 with F16C and FMA and
 picked at run time; the attention, norm and rotary kernels for AVX2 with FMA only (the
 attention is bound by reading the caches: an AVX-512 build was no faster); the prefix
-attention, bound by its multiply-adds, for AVX-512 only (``prefix_attention_isa`` is "" on
-other CPUs, whose passes keep PyTorch's matrix products for it). So the library
+attention, mostly multiply-adds, for AVX-512 only (``prefix_attention_isa`` is "" on other
+CPUs, whose passes keep PyTorch's matrix products for it). So the library
 suits any x86-64 CPU with AVX2. It is kept in ``cache_dir`` per source, flags and PyTorch
 version, or shipped beside the source by an image built with a compiler (``prebuild``).
 Without either, or on another CPU, ``kernel`` says why and the callers keep PyTorch's

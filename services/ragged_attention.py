@@ -42,8 +42,8 @@ thread, hot in cache (docs/performance.md, 2026-11-27, Xeon).
 
 On an AVX-512 CPU one operator does both, for each pooled plan's padded queries as they are
 (``attend`` with ``prefix``): ``specmesh_cpu::prefix_attention`` multiplies up to 64 queries
-by each key element in registers and merges each query's prefix part with its rest, which the kernel
-above attended from position ``shared`` on; no query is gathered, nothing scattered back. A
+by each key element in registers and merges each query's prefix part with its rest, which
+the kernel above attended from position ``shared`` on; nothing is gathered or scattered. A
 pass whose rows all share one prefix in one segment also keeps the fused rotary and cache
 writes (services/lean_llama.py). Passes of 8 sessions behind 800 shared positions on a wide
 target ran at 0.92x the speed of passes without the prefix on one thread, against 0.86x with
