@@ -41,7 +41,7 @@ query at a time. 16 sessions behind an 800-token prefix: 259 against 572 us a la
 thread, hot in cache (docs/performance.md, 2026-11-27, Xeon).
 
 On an AVX-512 CPU one operator does both, for each pooled plan's padded queries as they are
-(``attend`` with ``prefix``): ``specmesh_cpu::prefix_attention`` multiplies up to 64 queries
+(``attend`` with ``prefix``): ``specmesh_cpu::prefix_attention`` multiplies 16 or 32 queries
 by each key element in registers and merges each query's prefix part with its rest, which
 the kernel above attended from position ``shared`` on; nothing is gathered or scattered. A
 pass whose rows all share one prefix in one segment also keeps the fused rotary and cache

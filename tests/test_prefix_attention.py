@@ -70,8 +70,8 @@ def _kernel(q, prefix_k, prefix_v, rest_out, rest_lse):
     (5, 2, 3, 4, 64, 130, 40),  # verify rows of 4; prefix blocks and 8-key tiles with tails
     (3, 1, 1, 1, 24, 17, 9),  # D = 24; fewer queries than a block's 32
     (2, 4, 1, 3, 128, 64, 5),  # D = 128: exactly one block of keys
-    (11, 3, 2, 2, 32, 200, 30),  # 44 queries a head: one block of 64, part-filled
-    (9, 2, 4, 2, 64, 300, 20),  # 72: two blocks of 64, the second with 8
+    (11, 3, 2, 2, 32, 200, 30),  # 44 queries a head: two blocks of queries, one part-filled
+    (9, 2, 4, 2, 64, 300, 20),  # 72: three blocks of 32, the last with 8
 ])
 def test_the_prefix_and_a_querys_own_keys_give_flash_attention_over_both(n, kv, group, m, d,
                                                                         shared, own):
@@ -111,8 +111,7 @@ def test_a_query_with_no_keys_of_its_own_gets_the_prefix_alone():
 
 def test_a_querys_floats_do_not_depend_on_its_batch_or_the_threads():
     """Each query's sums run in its own lane in a fixed order: a row's outputs are the same
-    floats alone (a block of 16) as among 10 rows (80 queries a key head: blocks of 64), on
-    one thread or two.
+    floats alone (a block of 16) as among 10 rows (blocks of 32), on one thread or two.
     A verifier's answer must not change with who else is in the pass."""
     q, prefix_k, prefix_v, keys, values, last = _case(10, 2, 4, 2, 64, 300, 40, seed=7)
     rest_out, rest_lse = _rest(q, keys, values, last, 300, 4)

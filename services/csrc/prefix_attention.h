@@ -4,14 +4,14 @@
 //
 // Rows that share a prefix of P positions attend to it with every query of the group: per key
 // head, Q = n R queries against the same P keys. The per-query kernel above reads each key
-// once per query (a decode pass is bound by that); here a block of up to 64 queries is held
-// transposed, QT [D][64], so each key's element is broadcast once and multiplies them all in
-// up to four AVX-512 vectors (16, 32 or 64 queries: the fewest that hold the call's, so a
-// pass reads the prefix once up to 64 queries a key head): scores S [keys][64] = K QT by
-// outer products (8 keys x 2 vectors, or 4 x 4, in registers), a running max and sum per
-// query (online softmax, blocks of 64 keys), and the outputs O^T [D][64] += V^T P the same
-// way. Every query's sums run over the keys and D in a fixed order, so its output does not
-// depend on the others in its block, the block's width or the threads.
+// once per query (a decode pass is bound by that); here a block of 16 or 32 queries (the
+// fewer where a call has at most 16) is held transposed, QT [D][32], so each key's element is
+// broadcast once and multiplies them all in one or two AVX-512 vectors: scores S [keys][32] =
+// K QT by outer products (8 keys x 2 vectors in registers), a running max and sum per query
+// (online softmax, blocks of 64 keys), and the outputs O^T [D][32] += V^T P the same way.
+// Every query's sums run over the keys and D in a fixed order, so its output does not depend
+// on the others in its block, the block's width or the threads. (Blocks of 64, which read the
+// prefix once for 16 sessions of 4 queries a key head, were no faster: docs/performance.md.)
 // At the end each query's prefix part (o_p, lse_p) is merged with its own part (o_s, lse_s),
 //
 //     o = o_p exp(lse_p - lse) + o_s exp(lse_s - lse),  lse = logaddexp(lse_p, lse_s),
@@ -21,10 +21,9 @@
 // and the rest waiting on the prefix's keys and values from memory): on an AVX2 CPU the
 // Python side keeps its matrix products (``prefix_attention_isa`` says which).
 
-constexpr int64_t kQueries = 64;  // queries a task holds at most: four AVX-512 vectors
+constexpr int64_t kQueries = 32;  // queries a task holds at most: two AVX-512 vectors
 constexpr int64_t kKeys = 64;     // keys per online-softmax block
-constexpr int64_t kTile = 8;      // keys (scores) or output features (values) in registers,
-                                  // 4 with four vectors of queries (16 accumulators)
+constexpr int64_t kTile = 8;      // keys (scores) or output features (values) in registers
 
 // expf as exp256 above, 16 lanes
 AVX512 inline __m512 exp512(__m512 x) {
@@ -58,15 +57,14 @@ struct PrefixTask {
 
 // C vectors of queries (16 C, QT rows that far apart): one where a call has at most 16
 template <int C> AVX512 void prefix_block(const PrefixTask& t) {
-  constexpr int64_t kQueries = 16 * C;
-  constexpr int64_t kTile = C > 2 ? 4 : 8;
+  constexpr int64_t W = 16 * C;  // queries: QT's and S's rows are W floats
   const int64_t D = t.D;
   __m512 m[C], l[C];
   for (int c = 0; c < C; ++c) m[c] = _mm512_set1_ps(-INFINITY), l[c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < D * kQueries; i += 16) _mm512_storeu_ps(t.ot + i, _mm512_setzero_ps());
+  for (int64_t i = 0; i < D * W; i += 16) _mm512_storeu_ps(t.ot + i, _mm512_setzero_ps());
   for (int64_t j0 = 0; j0 < t.P; j0 += kKeys) {
     const int64_t jn = std::min(kKeys, t.P - j0);
-    // scores of keys j0.. for the block's queries: S[j] = sum_d K[j][d] QT[d], d in order
+    // scores of keys j0.. for the 32 queries: S[j] = sum_d K[j][d] QT[d], d in order
     for (int64_t j = 0; j < jn; j += kTile) {
       const int64_t tn = std::min(kTile, jn - j);
       const float* kj = t.k + (j0 + j) * t.kstep;
@@ -86,7 +84,7 @@ template <int C> AVX512 void prefix_block(const PrefixTask& t) {
       const auto tile = [&](int rows) AVX512 {  // (a constant count in the full tiles' loop)
         for (int64_t d = 0; d < D; ++d) {
           __m512 qd[C];
-          for (int c = 0; c < C; ++c) qd[c] = _mm512_loadu_ps(t.qt + d * kQueries + 16 * c);
+          for (int c = 0; c < C; ++c) qd[c] = _mm512_loadu_ps(t.qt + d * W + 16 * c);
           for (int r = 0; r < rows; ++r) {
             const __m512 b = _mm512_set1_ps(kj[r * t.kstep + d]);
             for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b, qd[c], acc[r][c]);
@@ -96,18 +94,18 @@ template <int C> AVX512 void prefix_block(const PrefixTask& t) {
       if (tn == kTile) tile(kTile);
       else tile(static_cast<int>(tn));
       for (int r = 0; r < tn; ++r)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(t.s + (j + r) * kQueries + 16 * c, acc[r][c]);
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(t.s + (j + r) * W + 16 * c, acc[r][c]);
     }
     // the block's max, the running sums rescaled to it, the scores' exponentials
     __m512 alpha[C];
     for (int c = 0; c < C; ++c) {
       __m512 top = m[c];
-      for (int64_t j = 0; j < jn; ++j) top = _mm512_max_ps(top, _mm512_loadu_ps(t.s + j * kQueries + 16 * c));
+      for (int64_t j = 0; j < jn; ++j) top = _mm512_max_ps(top, _mm512_loadu_ps(t.s + j * W + 16 * c));
       alpha[c] = exp512(_mm512_sub_ps(m[c], top));  // 0 for the first block (m = -inf)
       __m512 sum = _mm512_setzero_ps();
       for (int64_t j = 0; j < jn; ++j) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(t.s + j * kQueries + 16 * c), top));
-        _mm512_storeu_ps(t.s + j * kQueries + 16 * c, e);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(t.s + j * W + 16 * c), top));
+        _mm512_storeu_ps(t.s + j * W + 16 * c, e);
         sum = _mm512_add_ps(sum, e);
       }
       l[c] = _mm512_fmadd_ps(l[c], alpha[c], sum);
@@ -118,18 +116,18 @@ template <int C> AVX512 void prefix_block(const PrefixTask& t) {
       __m512 acc[kTile][C];
       for (int r = 0; r < kTile; ++r)
         for (int c = 0; c < C; ++c)
-          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(t.ot + (d0 + r) * kQueries + 16 * c), alpha[c]);
+          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(t.ot + (d0 + r) * W + 16 * c), alpha[c]);
       for (int64_t j = 0; j < jn; ++j) {
         const float* vj = t.v + (j0 + j) * t.vstep + d0;
         __m512 pj[C];
-        for (int c = 0; c < C; ++c) pj[c] = _mm512_loadu_ps(t.s + j * kQueries + 16 * c);
+        for (int c = 0; c < C; ++c) pj[c] = _mm512_loadu_ps(t.s + j * W + 16 * c);
         for (int r = 0; r < kTile; ++r) {
           const __m512 b = _mm512_set1_ps(vj[r]);
           for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b, pj[c], acc[r][c]);
         }
       }
       for (int r = 0; r < kTile; ++r)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(t.ot + (d0 + r) * kQueries + 16 * c, acc[r][c]);
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(t.ot + (d0 + r) * W + 16 * c, acc[r][c]);
     }
   }
   for (int c = 0; c < C; ++c) {
@@ -167,9 +165,7 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
   TORCH_CHECK(D % kTile == 0 && D > 0 && D <= 256, "prefix_attention: D must be a multiple of 8, at most 256, got ", D);
   TORCH_CHECK(prefix_attention_runs(), "prefix_attention: this CPU has no AVX-512");
   const int64_t P = keys.size(1), Q = n * R;
-  // queries a task: a half-empty block costs as much; a full one reads the prefix once for
-  // all (at 16 sessions of 4 queries a key head, two blocks of 32 read it twice)
-  const int64_t width = Q <= 16 ? 16 : Q <= 32 ? 32 : kQueries;
+  const int64_t width = Q <= 16 ? 16 : kQueries;  // queries a task: a half-empty block costs as much
   const int64_t blocks = (Q + width - 1) / width;
   auto out = at::empty({n, KV, R, D}, q.options());
   if (Q == 0 || KV == 0) return out;
@@ -196,8 +192,7 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
         const PrefixTask t{kp + h * keys.stride(0), vp + h * values.stride(0), keys.stride(1),
                            values.stride(1), P, D, qt.data(), s.data(), ot.data(), m.data(), l.data()};
         if (width == 16) prefix_block<1>(t);
-        else if (width == 32) prefix_block<2>(t);
-        else prefix_block<4>(t);
+        else prefix_block<2>(t);
       }
       for (int64_t c = 0; c < lanes; ++c) {
         const int64_t i = (first + c) / R, r = (first + c) % R;
