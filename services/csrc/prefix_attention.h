@@ -25,23 +25,18 @@ constexpr int64_t kQueries = 32;  // queries a task holds at most: two AVX-512 v
 constexpr int64_t kKeys = 64;     // keys per online-softmax block
 constexpr int64_t kTile = 8;      // keys (scores) or output features (values) in registers
 
-// expf as exp256 above, 16 lanes
+// expf as exp256 above (its constants), 16 lanes
 AVX512 inline __m512 exp512(__m512 x) {
   const __m512 lo = _mm512_set1_ps(kExpLow);
   const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
   x = _mm512_max_ps(x, lo);
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626f));
-  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                  _mm512_set1_ps(0.5f)),
+  x = _mm512_min_ps(x, _mm512_set1_ps(kExpHigh));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), x);
+  __m512 y = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(e));
@@ -136,10 +131,13 @@ template <int C> AVX512 void prefix_block(const PrefixTask& t) {
   }
 }
 
-bool prefix_attention_runs() {
-  __builtin_cpu_init();
+bool prefix_attention_runs() {  // (asked once; every call checks it)
   // (the AVX512 target lets the compiler use AVX-512BW as well)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  static const bool runs = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }();
+  return runs;
 }
 
 std::string prefix_attention_isa() { return prefix_attention_runs() ? "avx512" : ""; }
