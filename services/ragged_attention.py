@@ -303,6 +303,20 @@ def shared_part(c: Cascade, layer: int, rows: Sequence) -> tuple[torch.Tensor, t
     return first.keys[0, :, :c.shared], first.values[0, :, :c.shared]
 
 
+def _rests_alone(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int],
+                 q: torch.Tensor, kv_heads: int):
+    """Per row of the group outside the pool: its columns c0, c1, its queries [1, KV, G m, D]
+    and their attention over the row's own rest (outputs and log-sum-exps, ``attend_lse``)."""
+    H, _, D = q.shape
+    G = H // kv_heads
+    for b, c0, c1, mask in c.alone:
+        cache = rows[b].kv.layers[layer]
+        s, m = starts[b], c1 - c0
+        grouped = q[None, :, s:s + m].reshape(1, kv_heads, G * m, D)
+        yield (c0, c1, grouped, *attend_lse(grouped, cache.keys[:, :, c.shared:],
+                                            cache.values[:, :, c.shared:], mask))
+
+
 def cascade(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int], pool,
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The group's attention outputs [H, N, D] for queries q [H, T, D] in ``layer``; writes
@@ -315,29 +329,20 @@ def cascade(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int], pool,
         out = q.new_empty(H, N, D)
         for p in c.pooled:
             out[:, p.cols] = attend(p, pool.segments[p.segment][layer], q, k, v, prefix)
-        for b, c0, c1, mask in c.alone:
-            cache = rows[b].kv.layers[layer]
-            s, m = starts[b], c1 - c0
-            grouped = q[None, :, s:s + m].reshape(1, KV, G * m, D)
-            rest = attend_lse(grouped, cache.keys[:, :, c.shared:], cache.values[:, :, c.shared:],
-                              mask)
+        for c0, c1, grouped, o_s, lse_s in _rests_alone(c, layer, rows, starts, q, KV):
             out[:, c0:c1] = torch.ops.specmesh_cpu.prefix_attention(
-                grouped, *prefix, *rest, D ** -0.5).reshape(H, m, D)
+                grouped, *prefix, o_s, lse_s, D ** -0.5).reshape(H, c1 - c0, D)
         return out
     o_s = q.new_empty(KV, G, N, D)  # over each row's own rest
     lse_s = q.new_empty(KV, G, N, dtype=torch.float32)
     for p in c.pooled:
         o_s[:, :, p.cols], lse_s[:, :, p.cols] = _attend_slots_lse(
             p, pool.segments[p.segment][layer], q, k, v)
-    for b, c0, c1, mask in c.alone:
-        cache = rows[b].kv.layers[layer]
-        s, m = starts[b], c1 - c0
-        out, lse = attend_lse(q[None, :, s:s + m].reshape(1, KV, G * m, D),
-                              cache.keys[:, :, c.shared:], cache.values[:, :, c.shared:], mask)
+    for c0, c1, _, out, lse in _rests_alone(c, layer, rows, starts, q, KV):
+        m = c1 - c0
         o_s[:, :, c0:c1], lse_s[:, :, c0:c1] = out.reshape(KV, G, m, D), lse.reshape(KV, G, m)
-    first = rows[c.rows[0]].kv.layers[layer]  # the shared positions: one copy for all
-    grouped = q[:, c.tok].view(1, KV, G * N, D)  # every query sees all of them
-    keys, values = first.keys[:, :, :c.shared], first.values[:, :, :c.shared]
+    grouped = q[:, c.tok].view(1, KV, G * N, D)  # every query sees all the shared positions
+    keys, values = (t[None] for t in shared_part(c, layer, rows))  # [1, KV, shared, D]
     if G * N >= DENSE_MIN:
         o_p, lse_p = dense_lse(grouped, keys, values)
     elif c.shared_last is not None:
