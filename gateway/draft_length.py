@@ -117,6 +117,16 @@ class DraftLength:
         return max(0, min(k, self.limits.max_draft_tokens, spec.max_new_tokens - req.generated - 1,
                           room))
 
+    def drafts_next(self, req) -> bool:
+        """Whether the request's round after this one, which drafts none, will draft, as far
+        as its adaptive k's schedule tells (AdaptiveK.drafts_next); False where the load
+        switch decides (its epochs end by the clock) or the request has no adaptive k. A
+        request's first round (its prefill) is never measured."""
+        adaptive = req.rounds.adaptive
+        if adaptive is None or (adaptive.only and load_level(self._inflight()) > 0):
+            return False
+        return adaptive.drafts_next(warm=req.rounds.last is not None)
+
     def learn(self, req, kind: str, r: RoundResult) -> None:
         """Feeds the round's measured costs and acceptance to the adaptive k (the costs only
         of rounds with warm caches that drafted on their critical path: a prefetched draft

@@ -321,8 +321,10 @@ class GenerationEngine:
         """The tokens a round without drafts asks the verifier to decode ahead: what the
         next round asks for (``_plain_tokens``) once this round's ``plain`` are in; 0 where
         none can follow (the request's budget or the context ends with this round) or with
-        --no-decode-ahead. A round that keeps fewer (a stop string) ends the request."""
-        if not self.config.decode_ahead:
+        --no-decode-ahead, and where the next round will draft (a probe is due): that round
+        would stop the job and wait for its pass. A round that keeps fewer (a stop string)
+        ends the request."""
+        if not self.config.decode_ahead or self.k.drafts_next(req):
             return 0
         return max(0, min(self._plain_cap(req), self._tokens_left(req) - plain))
 

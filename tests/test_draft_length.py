@@ -431,3 +431,51 @@ def test_a_cycle_is_learned_net_of_the_cpu_time_the_host_stole_meanwhile():
     host[:] = [130, 300]  # (what it would have said: unread)
     dl.learn_cycle(req, "model", 0.050)
     assert costs.cycle_ms[0] == pytest.approx(0.9 * (0.9 * 14.0 + 0.1 * 10.0) + 0.1 * 20.0)
+
+
+@pytest.mark.parametrize("config", [{}, {"num_draft_tokens": 0}])
+@pytest.mark.parametrize(("alpha", "cycle_ms"), [(0.15, bad), (0.8, lambda k: 10.0 + 1.5 * k)])
+def test_a_round_without_drafts_knows_whether_the_next_one_drafts(config, alpha, cycle_ms):
+    """After each round without drafts (plain rounds of 8 tokens), ``drafts_next`` says
+    whether the next round drafts: a probe of a drafter that does not pay (0.15), or the
+    drafting rounds after the probe of not drafting while drafts pay (0.8); with the
+    gateway's k and its fallback, and with the adaptive k. Such a round does not decode
+    its successor ahead (gateway/engine.py): a drafting round would stop that job and wait
+    for its pass, in vain."""
+    dl = _draft_length(lambda: 1, **config)
+    req = _Req(GREEDY, SessionHandle(session_id="s", version=0, tokens=[5] * 900))
+    rng, now, said = random.Random(3), 0.0, []
+    for _ in range(400):
+        dl.learn_cycle(req, "model", now)
+        k = dl.choose(req, "model", plain=8)
+        if said and said[-1][1] is None:
+            said[-1] = (said[-1][0], k > 0)  # what the next round did
+        if not k:
+            said.append((dl.drafts_next(req), None))
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        r = RoundResult(drafted=(9,) * k, drafter_tail=(9,) * k, num_accepted=accepted,
+                        extra_token=3, draft_ms=1.0 if k else 0.0, verify_ms=8.0,
+                        draft_compute_ms=0.5 if k else 0.0, verify_compute_ms=7.0,
+                        more=() if k else (3,) * 7, warm=req.rounds.last is not None)
+        dl.learn(req, "model", r)
+        req.rounds.last = (now, r)
+        now += (cycle_ms(k) * (1 if k else 8)) / 1000.0
+    said = [pair for pair in said if pair[1] is not None]
+    assert [p for p, _ in said] == [d for _, d in said]
+    assert 5 <= sum(d for _, d in said) < len(said), said  # probes, and plain rounds that stay
+
+
+def test_under_load_no_round_is_said_to_draft_next():
+    """Under load the load switch decides for all requests by epochs that end on the
+    clock: nothing tells a request's next round in advance, so its plain rounds decode
+    ahead as before."""
+    dl = _draft_length(lambda: 8)
+    req = _Req(GREEDY, SessionHandle(session_id="s", version=0, tokens=[5] * 900))
+    dl.learn_cycle(req, "model", 0.0)
+    dl.choose(req, "model", plain=8)
+    assert req.rounds.adaptive is None and not dl.drafts_next(req)
+    lone = _draft_length(lambda: 1)
+    lone.choose(req, "model", plain=8)  # a lone request's adaptive k, measuring plain first
+    assert req.rounds.adaptive is not None and not lone.drafts_next(req)
