@@ -487,3 +487,35 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
         for la, lb in zip(a.layers, b.layers, strict=True):
             assert torch.equal(la.keys[..., :length, :], lb.keys[..., :length, :])
             assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])
+
+
+@pytest.mark.parametrize("new", [1, 4], ids=["decode", "verify"])
+def test_a_session_alone_gets_the_floats_it_gets_beside_others(new):
+    """On a CPU one row runs the lean forward's ragged pass as several do (the pooled
+    attention kernel, the fused rotary): a session's logits are the very floats whether it
+    has its pass to itself or shares it, so a lone request decodes what it would under
+    load (its dense ``forward``, which one row used to take, differed in the last bits).
+    Both give HF's logits within float32 rounding."""
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+    lean, why = lean_forward(model, "auto")
+    assert not why
+
+    def session(n: int, seed: int):
+        kv = lean.new_cache()
+        prompt = torch.randint(0, 8000, (n,), generator=torch.Generator().manual_seed(seed))
+        forward_rows(lean, [Row(tokens=prompt.tolist(), kv=kv, start=0, keep=1)], "cpu",
+                     _no_batch_cache)
+        return kv, n
+
+    (kv, start), (other, other_start) = session(300, 1), session(120, 2)
+    step = list(range(11, 11 + new))
+    alone = forward_rows(lean, [Row(tokens=step, kv=kv, start=start, keep=new)], "cpu",
+                         _no_batch_cache)[0]
+    kv.crop(start)
+    shared = forward_rows(lean, [Row(tokens=step, kv=kv, start=start, keep=new),
+                                 Row(tokens=[5], kv=other, start=other_start, keep=1)], "cpu",
+                          _no_batch_cache)[0]
+    kv.crop(start)
+    assert torch.equal(alone, shared)
+    dense = forward_one(lean, Row(tokens=step, kv=kv, start=start, keep=new), "cpu")
+    torch.testing.assert_close(dense, alone, **TOL)  # the same maths, other float orders
