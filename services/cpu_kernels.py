@@ -9,7 +9,7 @@ compiler on first use and loaded as PyTorch operators.
   verifier takes one per decoded token, so at 16 streams it was a tenth of the model thread's
   time (py-spy; docs/performance.md).
 - ``specmesh_cpu::attention``: the attention of a pass's pooled decode and verify rows, each
-  row over its own keys only (services/ragged_attention.py).
+  row over its own keys only (services/ragged_attention.py; services/csrc/pooled_attention.h).
 - ``specmesh_cpu::prefix_attention``: a cascade's shared prefix attended by all of its
   queries at once and merged with what each attended on its own (services/csrc/
   prefix_attention.h, services/ragged_attention.py ``attend``); AVX-512 only.

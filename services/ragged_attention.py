@@ -20,7 +20,7 @@ read), and keys past a row's own length are masked (the pool makes sure they hol
 a masked NaN would still reach the softmax). Each real query sees exactly its own cache and
 the new keys before it, as in a pass of its own.
 
-On a CPU the project's kernel attends instead of SDPA (services/csrc/cpu_kernels.cpp,
+On a CPU the project's kernel attends instead of SDPA (services/csrc/pooled_attention.h,
 ``specmesh_cpu::attention``): it takes each padded query's last visible key, not a mask, and
 reads each row's own keys only, not the window padded to the longest. SDPA's CPU kernel spent
 about twice the time reading the keys and values of a decode pass over 16 sessions
@@ -180,7 +180,7 @@ def _written_and_padded(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor
 
 def kernel_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      last: torch.Tensor, since: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU kernel (services/csrc/cpu_kernels.cpp): queries q [n, KV, R, D] over keys and
+    """The CPU kernel (services/csrc/pooled_attention.h): queries q [n, KV, R, D] over keys and
     values [n, KV, L, D] that begin at position ``since``, query r of row i seeing those up to
     ``last[i, r % M]`` (last [n, M]); outputs [n, KV, R, D] and log-sum-exps [n, KV, R]."""
     return torch.ops.specmesh_cpu.attention(q, keys, values, last, since, q.shape[-1] ** -0.5)

@@ -85,6 +85,28 @@ def test_a_rows_floats_do_not_depend_on_its_batch_or_the_threads():
     assert torch.equal(batch[3], alone[0]) and torch.equal(wide, batch)
 
 
+@pytest.mark.parametrize("group, m, d", [(2, 1, 64), (3, 4, 64), (4, 2, 128), (2, 3, 24)])
+def test_a_querys_floats_do_not_depend_on_the_other_heads_of_its_token(group, m, d):
+    """Where the CPU has AVX-512VL, the G query heads of a token attend two at a time (each
+    key and value loaded once for both): each query's output and log-sum-exp must be the
+    very floats it gets alone (G = 1, one query a row), whatever its heads are paired with.
+    Counts that are not multiples of 4 or 8 keys, and a token that sees no key, included."""
+    q, keys, values, last = _case(3, 2, group, m, d, 150, 0, seed=5)
+    last[0, 0] = 0  # row 0's first token sees one key
+    last[2] = torch.arange(m) + 37  # 38.. keys: tails of the four-key blocks
+    since = 1  # row 0's first token now sees none
+    keys, values = keys[:, :, 1:], values[:, :, 1:]
+    got, lse = torch.ops.specmesh_cpu.attention(q, keys, values, last, since, d ** -0.5)
+    for r in range(group * m):
+        token = r % m
+        alone, alone_lse = torch.ops.specmesh_cpu.attention(
+            q[:, :, r:r + 1].contiguous(), keys, values, last[:, token:token + 1].contiguous(),
+            since, d ** -0.5)
+        assert torch.equal(got[:, :, r], alone[:, :, 0]), r
+        assert torch.equal(lse[:, :, r], alone_lse[:, :, 0]), r
+    assert lse[0, :, 0].eq(float("-inf")).all()  # (the token that sees no key)
+
+
 def test_a_query_that_sees_no_key_gets_zeros_and_a_log_sum_exp_of_minus_infinity():
     """A padded query of a cascade's window (a slot not in the pass: its last key 0, before
     the shared positions) sees no key: its output is never read, but must be a number."""

@@ -1,5 +1,6 @@
 // The CPU kernels of services/cpu_kernels.py: a linear layer over 16-bit weights, a row argmax,
-// the attention of a pass's pooled decode and verify rows, RMS norm, and a layer's rotary
+// the attention of a pass's pooled decode and verify rows (pooled_attention.h) and of a shared
+// prefix (prefix_attention.h), RMS norm, and a layer's rotary
 // embedding with its cache writes.
 //
 // y = x @ W^T for float32 activations and weights stored in 16 bits (fp16 or bf16), computed in
@@ -29,11 +30,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 #include <immintrin.h>
 
@@ -188,20 +191,6 @@ AVX2 int64_t argmax256(const float* x, int64_t n) {
   return 0;
 }
 
-// ---- attention of pooled rows: each (row, key head) over its own visible keys only
-// (services/ragged_attention.py). A row's G M queries share the head's keys; query r sees
-// keys 0..count[r]-1 of the row's view. Per query: its scores (four keys' dot products reduced
-// together), their exponentials and sum, then the values, with the query's and the output's
-// vectors in registers; the row's later queries read its keys and values again from L2. Keys
-// past a row's own length are never read, so a row costs what its own cache holds, whatever
-// the batch pads to. Each query's sums run over its keys in order: its output does not depend
-// on the batch, the other queries of its row, or the threads.
-// One build, AVX2 + FMA: an AVX-512 build of the same kernel ran whole passes within the
-// noise of this one on an AVX-512 CPU (the pass is bound by reading the caches), so it was
-// dropped (docs/performance.md, 2026-11-27).
-// Prefetch: the hardware's stops at every 4 KB page of a head's keys, so the kernel asks for
-// the keys a page ahead, each key's values (read next) and the next head's first keys, to L2.
-constexpr int64_t kAhead = 16;  // keys read ahead (4 KB at D = 64)
 constexpr float kExpLow = -87.3365447f;  // below this, expf is 0 here (2^n would be denormal)
 constexpr float kExpHigh = 88.3762626f;
 constexpr float kLog2e = 1.44269504088896341f;
@@ -237,74 +226,6 @@ AVX2 inline float hsum256(__m256 v) {
 AVX2 inline __m128 hsum4x256(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-// One (row, key head): q [R, D]; keys and values: rows of D floats ``step`` apart; count [R];
-// s: scratch of R * Lp floats (Lp: the longest count rounded up to 16, at least 16); o [R, D];
-// lse [R]. D = 8 NV, compiled per head size.
-struct Pair {
-  const float* q; const float* k; const float* v; int64_t kstep, vstep;
-  int64_t R; const int64_t* count; float scale; float* s; int64_t Lp; float* o; float* lse;
-};
-
-template <int NV> AVX2 void attend_pair(const Pair& a) {
-  constexpr int64_t D = 8 * NV;
-  const int64_t L = a.Lp;
-  for (int64_t r = 0; r < a.R; ++r) {
-    const int64_t c = a.count[r];
-    float* sr = a.s + r * L;
-    if (c <= 0) {
-      for (int t = 0; t < NV; ++t) _mm256_storeu_ps(a.o + r * D + 8 * t, _mm256_setzero_ps());
-      a.lse[r] = -INFINITY;
-      continue;
-    }
-    __m256 q[NV];
-    for (int t = 0; t < NV; ++t) q[t] = _mm256_loadu_ps(a.q + r * D + 8 * t);
-    auto dot = [&](int64_t j) AVX2 {
-      const float* kj = a.k + j * a.kstep;
-      const char* vj = reinterpret_cast<const char*>(a.v + j * a.vstep);
-      for (int t = 0; t < NV; t += 2) {
-        _mm_prefetch(vj + 32 * t, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(kj + kAhead * a.kstep) + 32 * t, _MM_HINT_T1);
-      }
-      __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(kj));
-      for (int t = 1; t < NV; ++t) acc = _mm256_fmadd_ps(q[t], _mm256_loadu_ps(kj + 8 * t), acc);
-      return acc;
-    };
-    const __m128 scale4 = _mm_set1_ps(a.scale);
-    int64_t j = 0;
-    for (; j + 4 <= c; j += 4)
-      _mm_storeu_ps(sr + j, _mm_mul_ps(hsum4x256(dot(j), dot(j + 1), dot(j + 2), dot(j + 3)), scale4));
-    for (; j < c; ++j) sr[j] = hsum256(dot(j)) * a.scale;
-    for (j = c; j < (c + 7) / 8 * 8; ++j) sr[j] = -INFINITY;  // exp gives 0 there
-    // the largest score, in four vectors of lanes (a scalar loop waited 4 cycles a key on
-    // each max: a tenth of the kernel's time over 1,000 keys); the same float in any order
-    __m256 top[4] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY),
-                     _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};
-    for (j = 0; j < c; j += 8) top[(j >> 3) & 3] = _mm256_max_ps(top[(j >> 3) & 3], _mm256_loadu_ps(sr + j));
-    const __m256 top8 = _mm256_max_ps(_mm256_max_ps(top[0], top[1]), _mm256_max_ps(top[2], top[3]));
-    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
-    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
-    const float m = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 sum = _mm256_setzero_ps();
-    for (j = 0; j < c; j += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
-      _mm256_storeu_ps(sr + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    const float total = hsum256(sum);
-    a.lse[r] = m + std::log(total);
-    __m256 acc[NV];
-    for (int t = 0; t < NV; ++t) acc[t] = _mm256_setzero_ps();
-    for (j = 0; j < c; ++j) {
-      const float* vj = a.v + j * a.vstep;
-      const __m256 p = _mm256_set1_ps(sr[j]);
-      for (int t = 0; t < NV; ++t) acc[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * t), acc[t]);
-    }
-    const __m256 d = _mm256_set1_ps(total);
-    for (int t = 0; t < NV; ++t) _mm256_storeu_ps(a.o + r * D + 8 * t, _mm256_div_ps(acc[t], d));
-  }
 }
 
 // One row of RMS norm: y = (x * 1 / sqrt(mean(x^2) + eps)) * w, as transformers' LlamaRMSNorm
@@ -461,76 +382,8 @@ at::Tensor argmax_rows(const at::Tensor& x, const std::string& want) {
   return out;
 }
 
+#include "pooled_attention.h"
 #include "prefix_attention.h"
-
-// q [n, KV, R, D] float32; keys, values [n, KV, L, D] float32 with unit stride in D and one
-// stride between positions (views of a pool segment's buffers); last [n, M] int64 with R a
-// multiple of M: query r of row i sees the keys 0..last[i][r % M] - since. D a multiple of 8,
-// at most 128. Returns the outputs
-// [n, KV, R, D] and their log-sum-exps [n, KV, R] (natural; -inf and zeros for a query that
-// sees no key).
-std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const at::Tensor& keys,
-                                                    const at::Tensor& values, const at::Tensor& last,
-                                                    int64_t since, double scale) {
-  for (const auto* t : {&q, &keys, &values})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 4,
-                "attention: q, keys and values must be 4-D float32 CPU tensors");
-  const int64_t n = q.size(0), KV = q.size(1), R = q.size(2), D = q.size(3), L = keys.size(2);
-  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == n && keys.size(1) == KV && keys.size(3) == D,
-              "attention: keys and values must be [n, KV, L, D] for q [n, KV, R, D]");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: keys and values need unit stride in D");
-  TORCH_CHECK(D % 8 == 0 && D > 0 && D <= 128, "attention: D must be a multiple of 8, at most 128, got ", D);
-  TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 2 && last.size(0) == n && last.size(1) > 0 &&
-              R % last.size(1) == 0, "attention: last must be int64 [n, M] with M dividing q's R");
-  check_isa("attention");
-  using Fn = void (*)(const Pair&);
-  static const Fn by_size[] = {nullptr, attend_pair<1>, attend_pair<2>, attend_pair<3>, attend_pair<4>,
-                               attend_pair<5>, attend_pair<6>, attend_pair<7>, attend_pair<8>,
-                               attend_pair<9>, attend_pair<10>, attend_pair<11>, attend_pair<12>,
-                               attend_pair<13>, attend_pair<14>, attend_pair<15>, attend_pair<16>};
-  const Fn fn = by_size[D / 8];
-  const auto qs = q.contiguous();
-  const auto lst = last.contiguous();
-  const int64_t M = lst.size(1);
-  auto out = at::empty({n, KV, R, D}, q.options());
-  auto lse = at::empty({n, KV, R}, q.options());
-  const float* qp = qs.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
-  const int64_t* lp = lst.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  float* sp = lse.data_ptr<float>();
-  if (n * KV * R == 0) return {out, lse};
-  parallel_claims(n * KV, [&](const auto& each) {
-    std::vector<int64_t> count(R);
-    std::vector<float> scratch;
-    int64_t row = -1, Lp = 0;
-    each([&](int64_t p, int64_t end) {
-      const int64_t i = p / KV, h = p % KV;
-      if (i != row) {  // the row's queries' counts, the same for each of its heads
-        row = i;
-        int64_t longest = 0;
-        for (int64_t r = 0; r < R; ++r) {
-          count[r] = std::clamp<int64_t>(lp[i * M + r % M] - since + 1, 0, L);
-          longest = std::max(longest, count[r]);
-        }
-        Lp = std::max<int64_t>(16, (longest + 15) / 16 * 16);
-        scratch.resize(static_cast<size_t>(R * Lp));
-      }
-      if (p + 1 < end) {  // the next pair's first keys, while this pair runs
-        const int64_t i2 = (p + 1) / KV, h2 = (p + 1) % KV;
-        const char* k2 = reinterpret_cast<const char*>(kp + i2 * keys.stride(0) + h2 * keys.stride(1));
-        for (int64_t line = 0; line < 32; ++line) _mm_prefetch(k2 + 64 * line, _MM_HINT_T1);
-      }
-      const Pair a{qp + (i * KV + h) * R * D, kp + i * keys.stride(0) + h * keys.stride(1),
-                   vp + i * values.stride(0) + h * values.stride(1), keys.stride(2), values.stride(2),
-                   R, count.data(), static_cast<float>(scale), scratch.data(), Lp,
-                   op + (i * KV + h) * R * D, sp + (i * KV + h) * R};
-      fn(a);
-    });
-  });
-  return {out, lse};
-}
 
 // x [..., h] float32, weight [h] float32 -> [..., h]: each row's RMS norm (``rms_row``)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -1,4 +1,5 @@
-// Included by cpu_kernels.cpp (inside its anonymous namespace, after ``parallel_claims``):
+// Included by cpu_kernels.cpp at file scope, after its helpers (exp256's constants,
+// parallel_claims):
 // a cascade's shared prefix attended by all of its queries at once, merged with what each
 // query attended on its own (services/ragged_attention.py ``cascade``).
 //
