@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from services.batching import Row, forward_one
+from services.batching import Row, forward_row
 from services.kv_cache import SessionCache
 from services.messages import Branch, DraftResult, SpeculateCall
 from services.sampling import sparse_draft_sample_rows, warp_logits
@@ -65,7 +65,7 @@ def draft_tree(model, entry: SessionCache, new_tokens: list[int], call: Speculat
     """Runs steps 1-3 of the module docstring; returns (branches, compute ms)."""
     start = time.perf_counter()
     k, steps = call.num_drafts, call.num_tokens
-    logits = forward_one(model, Row(tokens=new_tokens, kv=entry.kv, start=len(entry.tokens),
+    logits = forward_row(model, Row(tokens=new_tokens, kv=entry.kv, start=len(entry.tokens),
                                     keep=k + 1), device)  # [k+1, V]
     entry.tokens.extend(new_tokens)
     drafts = entry.tokens[-k:]

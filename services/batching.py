@@ -93,6 +93,15 @@ def forward_one(model, row: Row, device: torch.device) -> torch.Tensor:
     return out.logits[0, -row.keep:].float().cpu()  # [keep, V]
 
 
+def forward_row(model, row: Row, device: torch.device) -> torch.Tensor:
+    """One session's pass as ``forward_rows`` runs a pass of one row: logits [keep, V]."""
+    return forward_rows(model, [row], device, _one_row)[0]
+
+
+def _one_row():
+    raise AssertionError("a pass of one row builds no batch cache")
+
+
 def _layer_kv(kv, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if layer >= len(kv.layers):
         return None, None
@@ -109,9 +118,9 @@ def forward_rows(model, rows: Sequence[Row], device: torch.device,
 
     Appends each row's tokens to its own cache, as ``forward_one`` would. On a CPU the lean
     forward's ragged pass runs one row too: its fused rotary and cache writes and the pooled
-    attention kernel made a one-session decode pass of the demo target 18% shorter than its
-    dense ``forward`` (2.32 against 2.84 ms), a 4-token verify 11-13%, a demo drafter's step
-    27-44% (docs/performance.md), and a session's floats no longer depend on whether it
+    attention kernel made a one-session decode pass of the demo target 13-18% shorter than
+    its dense ``forward`` (2.32-2.51 against 2.84-2.87 ms), a 4-token verify 11-13%, the demo
+    drafter's 9% (docs/performance.md), and a session's floats no longer depend on whether it
     shares its pass. Elsewhere (a GPU's eager passes) one row keeps the dense forward.
     """
     graphs = getattr(model, "graphs", None)  # decode and verify passes as CUDA graphs
