@@ -111,3 +111,28 @@ def test_a_seeded_sample_draws_the_same_alone_and_among_other_requests(
         spec(PROMPTS[2], 30, params=SamplingParams(temperature=1.0), seed=1235,
              speculate=speculate)))[1]
     assert token_ids(other) != alone  # (the seed matters: not a greedy chain in disguise)
+
+
+def test_a_lone_requests_switches_to_drafting_stop_no_job_decoded_ahead(redis_url, tokenizer):
+    """Lone requests one after another, the gateway's k = 3 with its fallback, plain rounds of
+    one token that decode their successor ahead, drafts that pay here: every 8th round is
+    the probe of not drafting, and the round after it drafts again. That plain round must
+    not ask the verifier for a job ahead (AdaptiveK.drafts_next), which the drafting call
+    would stop and wait for. Where the choice itself changes with what a plain round adds
+    to the costs (timed in this process), a job is still left: far fewer than the switches
+    (without the prediction, 17 of 19)."""
+    ks: list[int] = []
+
+    async def work(h):
+        choose = h.engine.k.choose
+        h.engine.k.choose = lambda req, kind, plain=1: ks.append(choose(req, kind, plain)) or ks[-1]
+        for p in PROMPTS[:6]:
+            await h.complete(spec(p, 160))
+
+    h, _ = _run(redis_url, tokenizer, work, noise=0.3, plain_tokens=1)
+    switches = sum(1 for a, b in zip(ks, ks[1:], strict=False) if a == 0 and b > 0)
+    assert switches >= 8, ks
+    stats = h.verifier.stats
+    assert stats.ahead_started >= 5  # plain rounds followed by plain ones decode ahead
+    left = stats.ahead_started - stats.ahead_taken  # jobs a call stopped instead of taking
+    assert 2 * left <= switches, (left, switches, ks)
