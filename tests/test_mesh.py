@@ -122,7 +122,10 @@ def test_prompt_token_ids_equal_text_prompt(client, target_model):
 
 def test_a_finished_sessions_replica_caches_are_freed_after_the_response(client, mesh):
     """The gateway frees an ephemeral session's KV caches on the drafter and the verifier
-    after it has answered (off the response's path), but it does free them."""
+    after it has answered (off the response's path), but it does free them. (The count
+    before is read once the earlier tests' sessions are freed: the test before this one
+    had just been answered, and its free landed in this one's wait once, leaving one
+    session fewer than it had read.)"""
     stubs = [verifier_pb2_grpc.VerifierStub(grpc.insecure_channel(a))
              for a in mesh.verifier_addresses]
     stubs += [drafter_pb2_grpc.DrafterStub(grpc.insecure_channel(a))
@@ -131,7 +134,13 @@ def test_a_finished_sessions_replica_caches_are_freed_after_the_response(client,
     def sessions() -> int:
         return sum(s.GetStats(common_pb2.StatsRequest(), timeout=10).sessions for s in stubs)
 
-    before = sessions()
+    before, deadline = sessions(), time.monotonic() + 10
+    while time.monotonic() < deadline:  # settled: the same count 0.3 s apart
+        time.sleep(0.3)
+        now = sessions()
+        if now == before:
+            break
+        before = now
     client.generate(build_request(PROMPTS[2], max_new_tokens=12))
     deadline = time.monotonic() + 10
     while sessions() != before and time.monotonic() < deadline:
