@@ -206,7 +206,6 @@ class AdaptiveK:
     #                        seen early (a busy machine) kept k = 0 winning for good.
     _burst: int = 0  # rounds of the current probe still to draft
     _rounds: int = 0
-    _best: int = 0  # the k that won the last choice (the probes aside)
     _counts: AcceptanceCounts = field(init=False)
 
     def __post_init__(self) -> None:
@@ -236,7 +235,7 @@ class AdaptiveK:
             self._burst -= 1
             k = self.only or 1
         else:
-            k = self._best = best_k(self.alpha, self.costs, self.k_max, self.only)
+            k = best_k(self.alpha, self.costs, self.k_max, self.only)
             costs = self.costs  # (the probes' schedule is shared: CostModel.since_draft)
             if k == 0:
                 if costs.since_draft + 1 >= self.probe_every << costs.probe_backoff:
@@ -277,7 +276,11 @@ class AdaptiveK:
             return warm
         if not costs.known:  # a full draft is measured next
             return True
-        return self._best > 0 or costs.since_draft + 1 >= self.probe_every << costs.probe_backoff
+        if costs.since_draft + 1 >= self.probe_every << costs.probe_backoff:
+            return True  # a probe is due
+        # (nothing the choice weighs has changed since it chose none: its best k, if not 0,
+        # means that round was the probe of not drafting)
+        return best_k(self.alpha, costs, self.k_max, self.only) > 0
 
     def _loss_bits(self) -> int:
         """log2 of how many times more tokens a millisecond gives without drafts than with

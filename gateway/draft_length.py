@@ -99,7 +99,7 @@ class DraftLength:
                      and not seeded) else 0
         inflight = self._inflight()
         self._load = inflight if self._load is None else self._load + 0.05 * (inflight - self._load)
-        if only and load_level(inflight) > 0:
+        if self._switch_decides(only):
             # Under load, whether to draft is decided for all requests together
             # (gateway/load_switch.py): one request's round times cannot tell.
             switch = self._switch(kind, req)
@@ -123,9 +123,14 @@ class DraftLength:
         switch decides (its epochs end by the clock) or the request has no adaptive k. A
         request's first round (its prefill) is never measured."""
         adaptive = req.rounds.adaptive
-        if adaptive is None or (adaptive.only and load_level(self._inflight()) > 0):
+        if adaptive is None or self._switch_decides(adaptive.only):
             return False
         return adaptive.drafts_next(warm=req.rounds.last is not None)
+
+    def _switch_decides(self, only: int) -> bool:
+        """Whether the load switch, not the request's adaptive k, decides its rounds: the
+        gateway's fixed k with its fallback (``only``), with requests in flight beside it."""
+        return bool(only) and load_level(self._inflight()) > 0
 
     def learn(self, req, kind: str, r: RoundResult) -> None:
         """Feeds the round's measured costs and acceptance to the adaptive k (the costs only
