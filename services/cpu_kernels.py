@@ -20,8 +20,9 @@ compiler on first use and loaded as PyTorch operators.
   writes into their pool slots, in one operator (services/lean_llama.py ``kernel_rope``).
 
 The linear and argmax kernels are compiled for AVX-512 and for AVX2 with F16C and FMA and
-picked at run time; the attention, norm and rotary kernels for AVX2 with FMA only (the
-attention is bound by reading the caches: an AVX-512 build was no faster); the prefix
+picked at run time; the attention, norm and rotary kernels for AVX2 with FMA (the
+attention is bound by reading the caches: a 16-lane build was no faster), the attention's
+variant that runs two query heads a key load also for AVX-512VL (its 32 registers); the prefix
 attention, mostly multiply-adds, for AVX-512 only (``prefix_attention_isa`` is "" on other
 CPUs, whose passes keep PyTorch's matrix products for it). So the library
 suits any x86-64 CPU with AVX2. It is kept in ``cache_dir`` per source, flags and PyTorch

@@ -13,8 +13,11 @@
 // has AVX-512VL (32 vector registers: two queries' vectors and their accumulators fit), the
 // heads of a token go two at a time: each key's and value's vectors are loaded once for both,
 // and every operation on either query's numbers is the one it runs alone, in the same order
-// (the same floats; a test compares them). The demo target's one-session decode at 950
-// positions spent 97 us a layer here one query at a time (docs/performance.md, 2026-11-27).
+// (the same floats; a test compares them). Alone over six layers' caches (3 key heads x 2
+// queries x 950 keys) that took 32-33 us a layer against 50-55 with the caches in L2/L3, and
+// a 4-token verify pass at 950 positions 1-6% less; inside a one-session decode pass, where
+// the keys and values come from memory (~90 us a layer), it changed nothing
+// (docs/performance.md, 2026-11-27).
 // An AVX-512 build of the one-query kernel (16 lanes) ran whole passes within the noise of this
 // one, so 8 lanes it is, on AVX2 CPUs too.
 // Prefetch: the hardware's stops at every 4 KB page of a head's keys, so the kernel asks for
