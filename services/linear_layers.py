@@ -60,6 +60,11 @@ class Linear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if pack else None
         self._limit = half_linear.ROWS_MAX * weight.shape[1]  # elements of x
 
+    def half_over(self, rows: int) -> torch.Tensor | None:
+        """The 16-bit copy that a call over ``rows`` rows reads, or None (it runs on the
+        float32 weight)."""
+        return self.half if rows <= half_linear.ROWS_MAX else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.half is not None and x.numel() <= self._limit:
             return half_linear.linear(x, self.half, self.weight.shape[0])

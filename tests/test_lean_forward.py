@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from drafter_svc.tree import tree_visibility
@@ -519,3 +520,51 @@ def test_a_session_alone_gets_the_floats_it_gets_beside_others(new):
     assert torch.equal(alone, shared)
     dense = forward_one(lean, Row(tokens=step, kv=kv, start=start, keep=new), "cpu")
     torch.testing.assert_close(dense, alone, **TOL)  # the same maths, other float orders
+
+
+@pytest.mark.parametrize("rows, new", [(1, 1), (1, 4), (6, 1), (3, 40)],
+                         ids=["decode", "verify", "six-rows", "over-32-tokens"])
+def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(rows, new):
+    """Over its 16-bit copies a layer's MLP with its output projection and residuals
+    (``specmesh_cpu::mlp_tail``) and its norm, fused projection and rotary cache writes
+    (``norm_qkv_store``) run as one operator each: the demo target's logits over three steps
+    are the very floats of the Python path's operators, and the caches hold the same keys and
+    values. (Over 32 tokens a pass keeps the Python path: the projections read the float32
+    weights there.)"""
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+    lean = LeanLlama(model, pack=True, half=True)
+    assert lean.kernel_layer
+    g = torch.Generator().manual_seed(rows * 100 + new)
+
+    def sessions():
+        out = []
+        for b in range(rows):
+            kv = lean.new_cache()
+            prompt = torch.randint(0, 8000, (30 + 17 * b,), generator=torch.Generator()
+                                   .manual_seed(b)).tolist()
+            forward_rows(lean, [Row(tokens=prompt, kv=kv, start=0, keep=1)], "cpu",
+                         _no_batch_cache)
+            out.append([kv, len(prompt)])
+        return out
+
+    fused, plain = sessions(), sessions()
+    for _ in range(3):
+        step = [torch.randint(0, 8000, (new,), generator=g).tolist() for _ in range(rows)]
+        got = []
+        for caches, on in ((fused, True), (plain, False)):
+            lean.kernel_layer = on
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                got.append(forward_rows(lean, [Row(tokens=step[b], kv=kv, start=s, keep=new)
+                                               for b, (kv, s) in enumerate(caches)], "cpu",
+                                        _no_batch_cache))
+            tails = sum(e.count for e in prof.key_averages() if e.key == "specmesh_cpu::mlp_tail")
+            assert tails == (len(lean.layers) if on and rows * new <= 32 else 0)
+            for c in caches:
+                c[1] += new
+        for a, b in zip(*got, strict=True):
+            assert torch.equal(a, b)
+    for (a, _), (b, _) in zip(fused, plain, strict=True):
+        length = a.get_seq_length()
+        for la, lb in zip(a.layers, b.layers, strict=True):
+            assert torch.equal(la.keys[..., :length, :], lb.keys[..., :length, :])
+            assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])

@@ -1,7 +1,7 @@
 // The CPU kernels of services/cpu_kernels.py: a linear layer over 16-bit weights, a row argmax,
 // the attention of a pass's pooled decode and verify rows (pooled_attention.h) and of a shared
-// prefix (prefix_attention.h), RMS norm, and a layer's rotary
-// embedding with its cache writes.
+// prefix (prefix_attention.h), RMS norm, a layer's rotary embedding with its cache writes, and
+// a layer's steps over few rows as one operator each (layer_parts.h).
 //
 // y = x @ W^T for float32 activations and weights stored in 16 bits (fp16 or bf16), computed in
 // float32: each weight is widened exactly and every product and sum is a float32 FMA, so the
@@ -495,6 +495,8 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+#include "layer_parts.h"
+
 std::string cpu_isa() { return isa(); }
 
 TORCH_LIBRARY(specmesh_cpu, m) {
@@ -508,5 +510,10 @@ TORCH_LIBRARY(specmesh_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor ssin, int heads, int kv_heads, Tensor(a!) keys, "
         "Tensor(b!) values, Tensor slot, Tensor pos) -> Tensor", &rope_store);
+  m.def("mlp_tail(Tensor x, Tensor attn, Tensor o, int o_n, Tensor ln2, float eps, Tensor gate_up, "
+        "int gu_n, Tensor down, int down_n) -> Tensor", &mlp_tail);
+  m.def("norm_qkv_store(Tensor x, Tensor ln1, float eps, Tensor qkv, int qkv_n, Tensor cos, Tensor ssin, "
+        "int heads, int kv_heads, Tensor(a!) keys, Tensor(b!) values, Tensor slot, Tensor pos) -> Tensor",
+        &norm_qkv_store);
   m.def("isa() -> str", &cpu_isa);
 }
