@@ -21,11 +21,16 @@
 // An AVX-512 build of the one-query kernel (16 lanes) ran whole passes within the noise of this
 // one, so 8 lanes it is, on AVX2 CPUs too.
 // Prefetch: the hardware's stops at every 4 KB page of a head's keys, so the kernel asks for
-// the keys a page ahead, each key's values (read next) and the next head's first keys, to L2.
+// the keys 64 ahead (16 KB at D = 64; none past the query's last), each key's values (read
+// next) and the next head's first 4 KB of keys, to L2. On a 2-core AVX2 EPYC VM whose one
+// thread streams ~6-9 GB/s from memory, a page ahead (16 keys, 2 KB of the next head) left
+// whole passes 4-7% longer: 16 sessions at 150 positions, 8 at 950 and one at 950 (alternated
+// processes, medians of 20; docs/performance.md, 2026-11-28).
 
 namespace {
 
-constexpr int64_t kAhead = 16;  // keys read ahead (4 KB at D = 64)
+constexpr int64_t kNextLines = 64;  // the next pair's first keys prefetched
+constexpr int64_t kAhead = 64;  // keys read ahead (16 KB at D = 64)
 
 #define AVX512VL __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
 
@@ -62,13 +67,12 @@ AVX2 inline float softmax_scores(float* sr, int64_t c, float& m) {
 }
 
 // Key j's prefetches: its values (read next) and the keys kAhead further, to L2.
-template <int NV> AVX2 inline void prefetch_key(const Pair& a, int64_t j) {
+template <int NV> AVX2 inline void prefetch_key(const Pair& a, int64_t j, int64_t c) {
   const char* kj = reinterpret_cast<const char*>(a.k + (j + kAhead) * a.kstep);
   const char* vj = reinterpret_cast<const char*>(a.v + j * a.vstep);
-  for (int t = 0; t < NV; t += 2) {
-    _mm_prefetch(vj + 32 * t, _MM_HINT_T1);
-    _mm_prefetch(kj + 32 * t, _MM_HINT_T1);
-  }
+  for (int t = 0; t < NV; t += 2) _mm_prefetch(vj + 32 * t, _MM_HINT_T1);
+  if (j + kAhead < c)
+    for (int t = 0; t < NV; t += 2) _mm_prefetch(kj + 32 * t, _MM_HINT_T1);
 }
 
 // The dot product of a query's vectors q and key j, in 8 lanes: q[0] k[0], then + q[t] k[t].
@@ -91,7 +95,7 @@ template <int NV> AVX2 void attend_one(const Pair& a, int64_t r) {
   __m256 q[NV];
   for (int t = 0; t < NV; ++t) q[t] = _mm256_loadu_ps(a.q + r * D + 8 * t);
   auto dot = [&](int64_t j) AVX2 {
-    prefetch_key<NV>(a, j);
+    prefetch_key<NV>(a, j, c);
     return dot8<NV>(q, a.k + j * a.kstep);
   };
   const __m128 scale4 = _mm_set1_ps(a.scale);
@@ -134,7 +138,7 @@ template <int NV> AVX512VL void attend_two(const Pair& a, int64_t r0, int64_t r1
   for (; j + 4 <= c; j += 4) {
     __m256 d0[4], d1[4];
     for (int i = 0; i < 4; ++i) {
-      prefetch_key<NV>(a, j + i);
+      prefetch_key<NV>(a, j + i, c);
       const float* kj = a.k + (j + i) * a.kstep;
       d0[i] = dot8<NV>(q0, kj);
       d1[i] = dot8<NV>(q1, kj);
@@ -143,7 +147,7 @@ template <int NV> AVX512VL void attend_two(const Pair& a, int64_t r0, int64_t r1
     _mm_storeu_ps(s1 + j, _mm_mul_ps(hsum4x256(d1[0], d1[1], d1[2], d1[3]), scale4));
   }
   for (; j < c; ++j) {
-    prefetch_key<NV>(a, j);
+    prefetch_key<NV>(a, j, c);
     const float* kj = a.k + j * a.kstep;
     s0[j] = hsum256(dot8<NV>(q0, kj)) * a.scale;
     s1[j] = hsum256(dot8<NV>(q1, kj)) * a.scale;
@@ -252,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
       if (p + 1 < end) {  // the next pair's first keys, while this pair runs
         const int64_t i2 = (p + 1) / KV, h2 = (p + 1) % KV;
         const char* k2 = reinterpret_cast<const char*>(kp + i2 * keys.stride(0) + h2 * keys.stride(1));
-        for (int64_t line = 0; line < 32; ++line) _mm_prefetch(k2 + 64 * line, _MM_HINT_T1);
+        for (int64_t line = 0; line < kNextLines; ++line) _mm_prefetch(k2 + 64 * line, _MM_HINT_T1);
       }
       const Pair a{qp + (i * KV + h) * R * D, kp + i * keys.stride(0) + h * keys.stride(1),
                    vp + i * values.stride(0) + h * values.stride(1), keys.stride(2), values.stride(2),
