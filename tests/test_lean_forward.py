@@ -430,6 +430,17 @@ def test_attention_outputs_in_a_gpu_kernels_layout_give_the_same_logits(models, 
     test_batched_rows_match_each_row_alone(models)
 
 
+def _fed(lean, prompts: list[list[int]]) -> list[list]:
+    """Each prompt fed to a new cache of ``lean``, one pass each: [cache, its length] per
+    prompt."""
+    out = []
+    for prompt in prompts:
+        kv = lean.new_cache()
+        forward_rows(lean, [Row(tokens=prompt, kv=kv, start=0, keep=1)], "cpu", _no_batch_cache)
+        out.append([kv, len(prompt)])
+    return out
+
+
 @pytest.mark.parametrize("rows, shared", [(1, 0), (5, 0), (5, 144)],
                          ids=["one", "five", "five-sharing-a-prefix"])
 def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(rows, shared,
@@ -456,15 +467,9 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
     def sessions():
         g = torch.Generator().manual_seed(rows)
         prefix = torch.randint(0, 8000, (shared,), generator=g).tolist()
-        out = []
-        for _ in range(rows):
-            kv = lean.new_cache()
-            prompt = prefix + torch.randint(
-                0, 8000, (int(torch.randint(20, 90, (1,), generator=g)),), generator=g).tolist()
-            forward_rows(lean, [Row(tokens=prompt, kv=kv, start=0, keep=1)], "cpu",
-                         _no_batch_cache)
-            out.append([kv, len(prompt)])
-        return out
+        return _fed(lean, [prefix + torch.randint(
+            0, 8000, (int(torch.randint(20, 90, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(rows)])
 
     fused, plain = sessions(), sessions()
     for step in range(3):
@@ -537,15 +542,8 @@ def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(
     g = torch.Generator().manual_seed(rows * 100 + new)
 
     def sessions():
-        out = []
-        for b in range(rows):
-            kv = lean.new_cache()
-            prompt = torch.randint(0, 8000, (30 + 17 * b,), generator=torch.Generator()
-                                   .manual_seed(b)).tolist()
-            forward_rows(lean, [Row(tokens=prompt, kv=kv, start=0, keep=1)], "cpu",
-                         _no_batch_cache)
-            out.append([kv, len(prompt)])
-        return out
+        return _fed(lean, [torch.randint(0, 8000, (30 + 17 * b,), generator=torch.Generator()
+                                         .manual_seed(b)).tolist() for b in range(rows)])
 
     fused, plain = sessions(), sessions()
     for _ in range(3):
