@@ -79,59 +79,37 @@ template <bool BF16, int R> AVX512 void tile512(const float* x, int64_t ldx, con
   }
 }
 
-// ---- AVX2: 8 floats a vector, a tile is R rows x 16 outputs (one block)
+// ---- AVX2: 8 floats a vector, a tile is R rows x B blocks of 16 outputs
 template <bool BF16> AVX2 inline __m256 load8(const uint16_t* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   else return _mm256_cvtph_ps(h);
 }
 
-template <bool BF16, int R> AVX2 void tile256(const float* x, int64_t ldx, const uint16_t* w,
-                                              int64_t K, float* y, int64_t ldy) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    if ((k & 1) == 0)  // the block's one stream: a 64-byte line every second feature
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetch) * kBlock), _MM_HINT_T0);
-    __m256 w0 = load8<BF16>(w + k * kBlock), w1 = load8<BF16>(w + k * kBlock + 8);
-    for (int r = 0; r < R; ++r) {
-      __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-  }
-}
-
-using Tile = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t);
-
-// One or two rows over several blocks (AVX2): a one-block tile of one row keeps two sums in
-// flight, each FMA waiting for the one before it (4 cycles), so a decode pass's layers ran at
-// that latency, not at the rate the weights arrive. Each output is still one accumulator
-// summed over k in order: the same floats as in the one-block tile. The demo target's 25
-// layers over one row, one thread, on a 2-core AVX2 EPYC: 1.87 -> 1.54 ms and 2.41 -> 2.01
-// (alternated processes, medians of 30; docs/performance.md, 2026-11-28). (AVX-512's tile of
-// one row keeps two 16-lane sums: not measured, no AVX-512 machine at hand.)
-template <bool BF16, int R, int B> AVX2 void wide256(const float* x, int64_t ldx, const uint16_t* w,
-                                                     int64_t K, float* y, int64_t ldy) {
+// R rows x B blocks (16 B outputs). One block suits most calls; one or two rows take several
+// (Kernel::few): a one-block tile of one row keeps two sums in flight, each FMA waiting for the
+// one before it (4 cycles), so a decode pass's layers ran at that latency, not at the rate the
+// weights arrive. Each output is one accumulator summed over k in order whatever R and B: the
+// same floats. The demo target's 25 layers over one row, one thread, on a 2-core AVX2 EPYC:
+// 1.87 -> 1.54 ms and 2.41 -> 2.01 with four blocks (alternated processes, medians of 30;
+// docs/performance.md, 2026-11-28). (AVX-512's tile of one row keeps two 16-lane sums: not
+// measured, no AVX-512 machine at hand.)
+template <bool BF16, int R, int B = 1> AVX2 void tile256(const float* x, int64_t ldx, const uint16_t* w,
+                                                         int64_t K, float* y, int64_t ldy) {
   // w: the tile's first block [K, 16]; block b follows at w + b K 16
   __m256 acc[R][B][2];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    if ((k & 1) == 0)
+    if ((k & 1) == 0)  // each block's one stream: a 64-byte line every second feature
       for (int b = 0; b < B; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(w + (b * K + k + kPrefetch) * kBlock), _MM_HINT_T0);
-    __m256 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
     for (int b = 0; b < B; ++b) {
       const __m256 w0 = load8<BF16>(w + (b * K + k) * kBlock), w1 = load8<BF16>(w + (b * K + k) * kBlock + 8);
       for (int r = 0; r < R; ++r) {
-        acc[r][b][0] = _mm256_fmadd_ps(xv[r], w0, acc[r][b][0]);
-        acc[r][b][1] = _mm256_fmadd_ps(xv[r], w1, acc[r][b][1]);
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+        acc[r][b][0] = _mm256_fmadd_ps(xv, w0, acc[r][b][0]);
+        acc[r][b][1] = _mm256_fmadd_ps(xv, w1, acc[r][b][1]);
       }
     }
   }
@@ -141,6 +119,8 @@ template <bool BF16, int R, int B> AVX2 void wide256(const float* x, int64_t ldx
       _mm256_storeu_ps(y + r * ldy + b * kBlock + 8, acc[r][b][1]);
     }
 }
+
+using Tile = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t);
 
 struct Kernel {
   int rows;        // the most rows a tile takes
@@ -159,7 +139,7 @@ template <bool BF16> Kernel avx512_kernel() {
 template <bool BF16> Kernel avx2_kernel() {
   return {6, 16, {nullptr, tile256<BF16, 1>, tile256<BF16, 2>, tile256<BF16, 3>, tile256<BF16, 4>,
                   tile256<BF16, 5>, tile256<BF16, 6>, nullptr, nullptr},
-          {wide256<BF16, 1, 4>, wide256<BF16, 1, 2>, wide256<BF16, 2, 2>}};
+          {tile256<BF16, 1, 4>, tile256<BF16, 1, 2>, tile256<BF16, 2, 2>}};
 }
 
 // ---- argmax of a row: the first index of its largest value, the first NaN's if it has one
@@ -387,21 +367,15 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
   float* yp = y.data_ptr<float>();
   const auto* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   // one or two rows: tiles of several blocks where the kernel has them (Kernel::few)
-  const Tile few = M == 1 ? kern.few[Np % 64 ? 1 : 0] : M == 2 ? kern.few[2] : nullptr;
-  if (few != nullptr) {
-    const int64_t width = M == 1 && Np % 64 == 0 ? 64 : 32;
+  const bool four = M == 1 && Np % 64 == 0;
+  const Tile few = M == 1 ? kern.few[four ? 0 : 1] : M == 2 ? kern.few[2] : nullptr;
+  const int64_t width = few == nullptr ? kern.width : four ? 64 : 32;
+  if (M > 0) {
     parallel_claims(Np / width, [&](const auto& each) {
       each([&](int64_t t, int64_t) {
-        few(xp, K, w + t * width * K, K, yp + t * width, Np);
-      });
-    });
-  }
-  const int64_t tiles = Np / kern.width;
-  if (M > 0 && few == nullptr) {
-    parallel_claims(tiles, [&](const auto& each) {
-      each([&](int64_t t, int64_t) {
-        const int64_t col = t * kern.width;  // the tile's first output
+        const int64_t col = t * width;  // the tile's first output
         const uint16_t* wt = w + (col / kBlock) * K * kBlock;
+        if (few != nullptr) return few(xp, K, wt, K, yp + col, Np);
         for (int64_t m = 0; m < M; m += kern.rows) {
           const int r = static_cast<int>(std::min<int64_t>(kern.rows, M - m));
           kern.tiles[r](xp + m * K, K, wt, K, yp + m * Np + col, Np);
