@@ -71,6 +71,12 @@ class _Layer:
     gate_up: Linear  # [2 I, h]
     down: Linear
 
+    @property
+    def halves(self) -> bool:
+        """Whether the output projection and the MLP's have 16-bit copies (``mlp_tail``)."""
+        return self.o.half is not None and self.gate_up.half is not None \
+            and self.down.half is not None
+
 
 @dataclass
 class LeanOutput:
@@ -264,15 +270,26 @@ class LeanLlama(torch.nn.Module):
         16-bit copies and the norm is the project's kernel, the same operators run as one
         (``specmesh_cpu::mlp_tail``, services/csrc/layer_parts.h): the same floats, without
         the interpreter and PyTorch's dispatch between them (~45 us a layer on one row)."""
-        rows = x.numel() // x.shape[-1]
-        if self.kernel_layer and x.dtype == torch.float32 and w.down.half_over(rows) is not None \
-                and w.o.half is not None and w.gate_up.half is not None:
-            return torch.ops.specmesh_cpu.mlp_tail(
-                x, attn, w.o.half, x.shape[-1], w.ln2, self._eps, w.gate_up.half,
-                2 * self._inter, w.down.half, x.shape[-1])
+        if self.kernel_layer and x.numel() // x.shape[-1] <= half_linear.ROWS_MAX and w.halves:
+            return torch.ops.specmesh_cpu.mlp_tail(x, attn, w.o.half, w.ln2, self._eps,
+                                                   w.gate_up.half, 2 * self._inter, w.down.half)
         x = x + w.o(attn)
         gate, up = w.gate_up(self._rms(x, w.ln2)).split([self._inter, self._inter], dim=-1)
         return x + w.down(F.silu(gate) * up)
+
+    def _stored_qkv(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, sin: torch.Tensor,
+                    buffers: tuple[torch.Tensor, torch.Tensor], p) -> torch.Tensor:
+        """A fused pass's layer start for x [T, h]: its queries [T, H, D] rotated, its keys
+        and values written into ``p``'s slots of the segment's ``buffers``
+        (``specmesh_cpu::rope_store``; with the norm and the projection in the same operator,
+        ``norm_qkv_store``, where the projection reads its 16-bit copy)."""
+        H, KV, D = self._heads, self._kv_heads, self._head_dim
+        qkv = w.qkv.half_over(x.shape[0]) if self.kernel_layer else None
+        if qkv is None:
+            return torch.ops.specmesh_cpu.rope_store(w.qkv(self._rms(x, w.ln1)), cos, sin, H, KV,
+                                                     *buffers, p.slot, p.pos)
+        return torch.ops.specmesh_cpu.norm_qkv_store(x, w.ln1, self._eps, qkv, (H + 2 * KV) * D,
+                                                     cos, sin, H, KV, *buffers, p.slot, p.pos)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., V] of x [..., h]."""
@@ -390,12 +407,7 @@ class LeanLlama(torch.nn.Module):
             if fused:  # rotate, split and write the keys and values in one operator
                 p = plans[0] if solo is None else solo.pooled[0]
                 buffers = self.pool.segments[p.segment][i]
-                qkv = w.qkv.half_over(T) if self.kernel_layer else None
-                q = (torch.ops.specmesh_cpu.rope_store(  # [T, H, D]
-                    w.qkv(self._rms(x[0], w.ln1)), cos_t, sin_t, H, KV, *buffers, p.slot, p.pos)
-                     if qkv is None else torch.ops.specmesh_cpu.norm_qkv_store(  # in one
-                         x[0], w.ln1, self._eps, qkv, (H + 2 * KV) * D, cos_t, sin_t, H, KV,
-                         *buffers, p.slot, p.pos)).transpose(0, 1)  # [H, T, D]
+                q = self._stored_qkv(x[0], w, cos_t, sin_t, buffers, p).transpose(0, 1)  # [H, T, D]
                 attn = ragged_attention.attend(
                     p, buffers, q, None, None,
                     None if solo is None else ragged_attention.shared_part(solo, i, rows))

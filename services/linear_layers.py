@@ -48,7 +48,7 @@ class Linear:
     16-bit numbers), a call over at most ``half_linear.ROWS_MAX`` rows runs on a 16-bit copy
     of W and a longer one on PyTorch's ``linear``."""
 
-    __slots__ = ("weight", "packed", "half", "_limit")
+    __slots__ = ("weight", "packed", "half")
 
     def __init__(self, weight: torch.Tensor, pack: bool, half: torch.dtype | None = None) -> None:
         self.weight = weight
@@ -58,7 +58,6 @@ class Linear:
         # more than ROWS_MAX rows (prompts), where PyTorch's linear is as fast
         pack = pack and self.half is None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if pack else None
-        self._limit = half_linear.ROWS_MAX * weight.shape[1]  # elements of x
 
     def half_over(self, rows: int) -> torch.Tensor | None:
         """The 16-bit copy that a call over ``rows`` rows reads, or None (it runs on the
@@ -66,8 +65,9 @@ class Linear:
         return self.half if rows <= half_linear.ROWS_MAX else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if self.half is not None and x.numel() <= self._limit:
-            return half_linear.linear(x, self.half, self.weight.shape[0])
+        half = self.half_over(x.numel() // x.shape[-1])
+        if half is not None:
+            return half_linear.linear(x, half, self.weight.shape[0])
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")

@@ -484,8 +484,8 @@ TORCH_LIBRARY(specmesh_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor ssin, int heads, int kv_heads, Tensor(a!) keys, "
         "Tensor(b!) values, Tensor slot, Tensor pos) -> Tensor", &rope_store);
-  m.def("mlp_tail(Tensor x, Tensor attn, Tensor o, int o_n, Tensor ln2, float eps, Tensor gate_up, "
-        "int gu_n, Tensor down, int down_n) -> Tensor", &mlp_tail);
+  m.def("mlp_tail(Tensor x, Tensor attn, Tensor o, Tensor ln2, float eps, Tensor gate_up, int gu_n, "
+        "Tensor down) -> Tensor", &mlp_tail);
   m.def("norm_qkv_store(Tensor x, Tensor ln1, float eps, Tensor qkv, int qkv_n, Tensor cos, Tensor ssin, "
         "int heads, int kv_heads, Tensor(a!) keys, Tensor(b!) values, Tensor slot, Tensor pos) -> Tensor",
         &norm_qkv_store);

@@ -5,18 +5,17 @@
 // from here: the same floats.
 
 // x [..., h] and attn [..., H D] float32 (the layer's input and its attention); o, gate_up and
-// down: 16-bit weight blocks (``half_linear``) with o_n = h, gu_n = 2 I, down_n = h outputs;
-// ln2 [h]. Returns the next layer's input: x + o(attn) = r, then r + down(silu(g) * u) where
-// g, u are the halves of gate_up(rms_norm(r)).
-at::Tensor mlp_tail(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o, int64_t o_n,
-                    const at::Tensor& ln2, double eps, const at::Tensor& gate_up, int64_t gu_n,
-                    const at::Tensor& down, int64_t down_n) {
-  TORCH_CHECK(gu_n % 2 == 0 && o_n == x.size(-1) && down_n == x.size(-1),
-              "mlp_tail: o and down must give x's ", x.size(-1), " features and gate_up an even count");
-  const auto r = at::add(x, half_linear(attn, o, o_n, ""));
+// down: 16-bit weight blocks (``half_linear``), o and down giving h outputs and gate_up gu_n =
+// 2 I; ln2 [h]. Returns the next layer's input: x + o(attn) = r, then r + down(silu(g) * u)
+// where g, u are the halves of gate_up(rms_norm(r)).
+at::Tensor mlp_tail(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o, const at::Tensor& ln2,
+                    double eps, const at::Tensor& gate_up, int64_t gu_n, const at::Tensor& down) {
+  TORCH_CHECK(gu_n % 2 == 0, "mlp_tail: gate_up must give an even number of outputs, got ", gu_n);
+  const int64_t h = x.size(-1);
+  const auto r = at::add(x, half_linear(attn, o, h, ""));
   const auto gu = half_linear(rms_norm(r, ln2, eps), gate_up, gu_n, "");
   const auto halves = gu.split_with_sizes({gu_n / 2, gu_n / 2}, -1);
-  return at::add(r, half_linear(at::mul(at::silu(halves[0]), halves[1]), down, down_n, ""));
+  return at::add(r, half_linear(at::mul(at::silu(halves[0]), halves[1]), down, h, ""));
 }
 
 // x [T, h] float32; ln1 [h]; qkv: the fused projection's blocks with qkv_n = (H + 2 KV) D
