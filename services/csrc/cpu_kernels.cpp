@@ -14,8 +14,9 @@
 // Layout: the weight [N, K] is stored as blocks of 16 output features, wp [NB, K, 16]
 // (N padded with zeros to a multiple of 32), so a block's weights for one input feature are
 // 32 contiguous bytes and a tile walks K in order. A tile is R rows (at most 8 with AVX-512, 6
-// with AVX2) by 2 vectors of outputs; each output is one accumulator summed over k = 0..K-1
-// in order, so a row's result does not depend on the batch it is in, nor on the threads.
+// with AVX2) by B blocks: 32 outputs with AVX-512, 16 with AVX2, and 64 for one row (32 for two
+// rows with AVX2); each output is one accumulator summed over k = 0..K-1 in order, so a row's
+// result does not depend on the batch it is in, nor on the threads.
 // The kernels are compiled for AVX-512 and for AVX2 + F16C + FMA and chosen at run time.
 //
 // Prefetch: a tile asks for the weights kPrefetch input features ahead of the ones it reads,
@@ -49,34 +50,36 @@ constexpr int64_t kPrefetch = 48;  // input features ahead: 1.5 KB of a block's 
 #define AVX512 __attribute__((target("avx512f,avx512bw,fma,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// ---- AVX-512: 16 floats a vector, a tile is R rows x 32 outputs (two blocks)
+// ---- AVX-512: 16 floats a vector, a tile is R rows x B blocks of 16 outputs
 template <bool BF16> AVX512 inline __m512 load16(const uint16_t* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   if constexpr (BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   else return _mm512_cvtph_ps(h);
 }
 
-template <bool BF16, int R> AVX512 void tile512(const float* x, int64_t ldx, const uint16_t* w,
-                                                int64_t K, float* y, int64_t ldy) {
-  // w: the tile's first block [K, 16]; the second block follows it at w + K * 16
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// R rows x B blocks (16 B outputs, one vector each). Two blocks suit most calls; one row takes
+// four (Kernel::few): a tile of one row over two blocks keeps two sums in flight, each FMA
+// waiting for the one before it. Each output is one accumulator summed over k in order
+// whatever R and B: the same floats. The demo target's 25 layers over one row, one thread, on
+// a 2-core AMD EPYC with AVX-512 (family 26): 0.82 -> 0.65 ms with four blocks, eight blocks
+// no better (alternated processes, medians of 50; docs/performance.md, 2026-11-28).
+template <bool BF16, int R, int B = 2> AVX512 void tile512(const float* x, int64_t ldx, const uint16_t* w,
+                                                           int64_t K, float* y, int64_t ldy) {
+  // w: the tile's first block [K, 16]; block b follows at w + b K 16
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    if ((k & 1) == 0) {  // a 64-byte line of each block's stream every second feature
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetch) * kBlock), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (K + k + kPrefetch) * kBlock), _MM_HINT_T0);
-    }
-    __m512 w0 = load16<BF16>(w + k * kBlock), w1 = load16<BF16>(w + (K + k) * kBlock);
-    for (int r = 0; r < R; ++r) {
-      __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+    if ((k & 1) == 0)  // a 64-byte line of each block's stream every second feature
+      for (int b = 0; b < B; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (b * K + k + kPrefetch) * kBlock), _MM_HINT_T0);
+    for (int b = 0; b < B; ++b) {
+      const __m512 wv = load16<BF16>(w + (b * K + k) * kBlock);
+      for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, acc[r][b]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y + r * ldy, acc[r][0]);
-    _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(y + r * ldy + b * kBlock, acc[r][b]);
 }
 
 // ---- AVX2: 8 floats a vector, a tile is R rows x B blocks of 16 outputs
@@ -92,8 +95,7 @@ template <bool BF16> AVX2 inline __m256 load8(const uint16_t* p) {
 // weights arrive. Each output is one accumulator summed over k in order whatever R and B: the
 // same floats. The demo target's 25 layers over one row, one thread, on a 2-core AVX2 EPYC:
 // 1.87 -> 1.54 ms and 2.41 -> 2.01 with four blocks (alternated processes, medians of 30;
-// docs/performance.md, 2026-11-28). (AVX-512's tile of one row keeps two 16-lane sums: not
-// measured, no AVX-512 machine at hand.)
+// docs/performance.md, 2026-11-28).
 template <bool BF16, int R, int B = 1> AVX2 void tile256(const float* x, int64_t ldx, const uint16_t* w,
                                                          int64_t K, float* y, int64_t ldy) {
   // w: the tile's first block [K, 16]; block b follows at w + b K 16
@@ -126,14 +128,14 @@ struct Kernel {
   int rows;        // the most rows a tile takes
   int64_t width;   // outputs a tile covers
   Tile tiles[9];   // tiles[r] for r = 1..rows
-  // batches of one or two rows, where set: [one row over 64 outputs, over 32; two rows over 32]
+  // batches of one or two rows: [one row over 64 outputs, over 32; two rows over 32]
   Tile few[3];
 };
 
 template <bool BF16> Kernel avx512_kernel() {
   return {8, 32, {nullptr, tile512<BF16, 1>, tile512<BF16, 2>, tile512<BF16, 3>, tile512<BF16, 4>,
                   tile512<BF16, 5>, tile512<BF16, 6>, tile512<BF16, 7>, tile512<BF16, 8>},
-          {nullptr, nullptr, nullptr}};
+          {tile512<BF16, 1, 4>, tile512<BF16, 1, 2>, tile512<BF16, 2, 2>}};
 }
 
 template <bool BF16> Kernel avx2_kernel() {
