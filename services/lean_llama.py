@@ -177,6 +177,7 @@ class LeanLlama(torch.nn.Module):
                                 and weight.dtype == torch.float32 and not cpu_kernels.kernel())
         # a layer's steps over its 16-bit copies as one operator each (``finish_layer``)
         self.kernel_layer = self.kernel_norm
+        self._dense: list[list[torch.Tensor]] | None = None  # ``_dense_weights``, made once
         # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
         self.graphs = None if not (graphs and self.pool) else DecodeGraphs(
             self, capture=weight.device.type == "cuda", row_max=POOL_ROW_MAX)
@@ -291,6 +292,36 @@ class LeanLlama(torch.nn.Module):
         return torch.ops.specmesh_cpu.norm_qkv_store(x, w.ln1, self._eps, qkv, (H + 2 * KV) * D,
                                                      cos, sin, H, KV, *buffers, p.slot, p.pos)
 
+    def _dense_weights(self, rows: int) -> list[list[torch.Tensor]] | None:
+        """Every layer's ln1, qkv, o, ln2, gate_up and down (their 16-bit copies), as
+        ``_dense_layers`` passes them, when a pass of ``rows`` rows can run its layers as one
+        operator: the layers' fused operators are on and every projection has its copy."""
+        if not self.kernel_layer or rows > half_linear.ROWS_MAX:
+            return None
+        if self._dense is None:
+            ok = all(w.halves and w.qkv.half is not None for w in self.layers)
+            self._dense = [[w.ln1 for w in self.layers], [w.qkv.half for w in self.layers],
+                           [w.o.half for w in self.layers], [w.ln2 for w in self.layers],
+                           [w.gate_up.half for w in self.layers],
+                           [w.down.half for w in self.layers]] if ok else []
+        return self._dense or None
+
+    def _dense_layers(self, x: torch.Tensor, p, cos: torch.Tensor, sin: torch.Tensor,
+                      weights: list[list[torch.Tensor]]) -> torch.Tensor:
+        """A dense decode pass's layers (rows of one token each in their slots' order, ``p``
+        their one pooled plan; every decode pass of one stream) over x [1, T, h] as one
+        operator (``specmesh_cpu::dense_layers``, services/csrc/layer_parts.h): per layer the
+        very operators of the loop in ``forward_ragged`` (``_stored_qkv``, the pooled
+        attention, ``finish_layer``), the same floats, without the interpreter between them
+        and their views."""
+        H, KV, D = self._heads, self._kv_heads, self._head_dim
+        ln1, qkv, o, ln2, gate_up, down = weights
+        segment = self.pool.segments[p.segment]
+        return torch.ops.specmesh_cpu.dense_layers(
+            x[0], ln1, qkv, (H + 2 * KV) * D, o, ln2, gate_up, 2 * self._inter, down,
+            [b[0] for b in segment], [b[1] for b in segment], cos, sin, H, KV, self._eps,
+            D ** -0.5, p.slot, p.pos, p.lo, p.since, p.keys, p.last)[None]  # [1, T, h]
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., V] of x [..., h]."""
         return self._lm_head(self._rms(x, self.hf.model.norm.weight))
@@ -403,7 +434,10 @@ class LeanLlama(torch.nn.Module):
         fused = self.kernel_rope and (whole and not cascades or solo is not None)
         if fused:
             cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
-        for i, w in enumerate(self.layers):
+        weights = self._dense_weights(T) if fused and solo is None and plans[0].dense else None
+        if weights is not None:  # every layer in one operator
+            x = self._dense_layers(x, plans[0], cos_t, sin_t, weights)
+        for i, w in enumerate(self.layers if weights is None else ()):
             if fused:  # rotate, split and write the keys and values in one operator
                 p = plans[0] if solo is None else solo.pooled[0]
                 buffers = self.pool.segments[p.segment][i]

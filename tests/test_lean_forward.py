@@ -456,6 +456,9 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
     assert lean.kernel_rope and lean.kernel_attention
+    # layer by layer, where the calls are counted (a dense pass's one operator for all of
+    # them: test_a_dense_decode_pass_runs_its_layers_in_one_operator_with_the_same_floats)
+    lean._dense_weights = lambda rows: None
     if shared and not lean.kernel_prefix:
         pytest.skip("prefix_attention needs AVX-512; this CPU has none")
     written = []  # per attend call: were the keys written before it (the fused path)?
@@ -555,7 +558,10 @@ def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(
                 got.append(forward_rows(lean, [Row(tokens=step[b], kv=kv, start=s, keep=new)
                                                for b, (kv, s) in enumerate(caches)], "cpu",
                                         _no_batch_cache))
-            tails = sum(e.count for e in prof.key_averages() if e.key == "specmesh_cpu::mlp_tail")
+            ops = {e.key: e.count for e in prof.key_averages()}
+            # (a dense decode pass runs all of its layers' in one: the next test)
+            tails = ops.get("specmesh_cpu::mlp_tail", 0) + len(lean.layers) * ops.get(
+                "specmesh_cpu::dense_layers", 0)
             assert tails == (len(lean.layers) if on and rows * new <= 32 else 0)
             for c in caches:
                 c[1] += new
@@ -563,6 +569,44 @@ def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(
             assert torch.equal(a, b)
     for (a, _), (b, _) in zip(fused, plain, strict=True):
         length = a.get_seq_length()
+        for la, lb in zip(a.layers, b.layers, strict=True):
+            assert torch.equal(la.keys[..., :length, :], lb.keys[..., :length, :])
+            assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])
+
+
+@pytest.mark.parametrize("rows", [1, 5], ids=["one-stream", "five-rows"])
+def test_a_dense_decode_pass_runs_its_layers_in_one_operator_with_the_same_floats(rows):
+    """A decode pass whose rows sit in their slots' order with one token each (every pass of
+    one stream) runs all of its layers in ``specmesh_cpu::dense_layers``: the same operators
+    called from C++, so the demo target's logits over three steps are the very floats of the
+    layer-by-layer path and the caches hold the same keys and values."""
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+    lean = LeanLlama(model, pack=True, half=True)
+    own = lean._dense_weights
+
+    def sessions():
+        return _fed(lean, [torch.randint(0, 8000, (30 + 17 * b,), generator=torch.Generator()
+                                         .manual_seed(b)).tolist() for b in range(rows)])
+
+    dense, layered = sessions(), sessions()
+    for step in range(3):
+        got = []
+        for caches, one_op in ((dense, True), (layered, False)):
+            lean._dense_weights = own if one_op else lambda rows: None
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                got.append(forward_rows(lean, [Row(tokens=[9 + step + b], kv=kv, start=s, keep=1)
+                                               for b, (kv, s) in enumerate(caches)], "cpu",
+                                        _no_batch_cache))
+            ops = {e.key: e.count for e in prof.key_averages()}
+            assert ops.get("specmesh_cpu::dense_layers", 0) == (1 if one_op else 0)
+            assert ops.get("specmesh_cpu::mlp_tail", 0) == (0 if one_op else len(lean.layers))
+            for c in caches:
+                c[1] += 1
+        for a, b in zip(*got, strict=True):
+            assert torch.equal(a, b)
+    for (a, _), (b, _) in zip(dense, layered, strict=True):
+        length = a.get_seq_length()
+        assert length == b.get_seq_length()
         for la, lb in zip(a.layers, b.layers, strict=True):
             assert torch.equal(la.keys[..., :length, :], lb.keys[..., :length, :])
             assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])
