@@ -308,19 +308,19 @@ class LeanLlama(torch.nn.Module):
 
     def _dense_layers(self, x: torch.Tensor, p, cos: torch.Tensor, sin: torch.Tensor,
                       weights: list[list[torch.Tensor]]) -> torch.Tensor:
-        """A dense decode pass's layers (rows of one token each in their slots' order, ``p``
-        their one pooled plan; every decode pass of one stream) over x [1, T, h] as one
-        operator (``specmesh_cpu::dense_layers``, services/csrc/layer_parts.h): per layer the
-        very operators of the loop in ``forward_ragged`` (``_stored_qkv``, the pooled
-        attention, ``finish_layer``), the same floats, without the interpreter between them
-        and their views."""
+        """The layers of a pass whose rows hold as many new tokens each, in their slots'
+        order (``p``, their one pooled plan, is ``uniform``: every decode and verify pass of
+        one stream) over x [1, T, h] as one operator (``specmesh_cpu::dense_layers``,
+        services/csrc/layer_parts.h): per layer the very operators of the loop in
+        ``forward_ragged`` (``_stored_qkv``, the pooled attention, ``finish_layer``), the
+        same floats, without the interpreter between them and their views."""
         H, KV, D = self._heads, self._kv_heads, self._head_dim
         ln1, qkv, o, ln2, gate_up, down = weights
         segment = self.pool.segments[p.segment]
         return torch.ops.specmesh_cpu.dense_layers(
             x[0], ln1, qkv, (H + 2 * KV) * D, o, ln2, gate_up, 2 * self._inter, down,
             [b[0] for b in segment], [b[1] for b in segment], cos, sin, H, KV, self._eps,
-            D ** -0.5, p.slot, p.pos, p.lo, p.since, p.keys, p.last)[None]  # [1, T, h]
+            D ** -0.5, p.slot, p.pos, p.lo, p.width, p.since, p.keys, p.last)[None]  # [1, T, h]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., V] of x [..., h]."""
@@ -434,7 +434,7 @@ class LeanLlama(torch.nn.Module):
         fused = self.kernel_rope and (whole and not cascades or solo is not None)
         if fused:
             cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
-        weights = self._dense_weights(T) if fused and solo is None and plans[0].dense else None
+        weights = self._dense_weights(T) if fused and solo is None and plans[0].uniform else None
         if weights is not None:  # every layer in one operator
             x = self._dense_layers(x, plans[0], cos_t, sin_t, weights)
         for i, w in enumerate(self.layers if weights is None else ()):

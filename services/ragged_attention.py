@@ -89,6 +89,10 @@ class PooledRows:
     # of it. The same floats, fewer operators (on a GPU, kernel launches).
     span: slice | None = None
     dense: bool = False
+    # Each slot of the window is one row of ``width`` new tokens, in order (``dense`` with
+    # one): the padded batch has no padding, and is the pass's queries in another order
+    # (services/lean_llama.py ``_dense_layers``).
+    uniform: bool = False
 
     @property
     def where(self) -> slice | torch.Tensor:
@@ -152,7 +156,8 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
             rel=slot_t - lo, j=staged[3 * P:4 * P], lo=lo, n=n, width=width, keys=keys,
             last=last, mask=mask, since=since, cols=None if columns is None else staged[-P:],
             span=slice(tok[0], tok[-1] + 1) if consecutive else None,
-            dense=width == 1 and slot == list(range(lo, lo + n))))
+            dense=width == 1 and slot == list(range(lo, lo + n)),
+            uniform=slot == [s for s in range(lo, lo + n) for _ in range(width)]))
     return plans
 
 

@@ -129,8 +129,8 @@ def test_a_lean_pass_reads_the_16_bit_copies_for_up_to_32_tokens_only():
     def kernel_calls(tokens: list[int], kv, start: int) -> int:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             lean.forward_ragged([Row(tokens=tokens, kv=kv, start=start, keep=1)])
-        # (a layer's fused operators run the kernel over 3 projections, and 1; a dense
-        # decode pass's one operator over all four of every layer)
+        # (a layer's fused operators run the kernel over 3 projections, and 1; a uniform
+        # pass's one operator over all four of every layer)
         weight = {"specmesh_cpu::linear": 1, "specmesh_cpu::mlp_tail": 3,
                   "specmesh_cpu::norm_qkv_store": 1,
                   "specmesh_cpu::dense_layers": 4 * len(lean.layers)}

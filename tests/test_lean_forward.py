@@ -457,7 +457,7 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
     lean = LeanLlama(model, pack=True, half=True)
     assert lean.kernel_rope and lean.kernel_attention
     # layer by layer, where the calls are counted (a dense pass's one operator for all of
-    # them: test_a_dense_decode_pass_runs_its_layers_in_one_operator_with_the_same_floats)
+    # them: test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats)
     lean._dense_weights = lambda rows: None
     if shared and not lean.kernel_prefix:
         pytest.skip("prefix_attention needs AVX-512; this CPU has none")
@@ -559,7 +559,7 @@ def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(
                                                for b, (kv, s) in enumerate(caches)], "cpu",
                                         _no_batch_cache))
             ops = {e.key: e.count for e in prof.key_averages()}
-            # (a dense decode pass runs all of its layers' in one: the next test)
+            # (a uniform pass runs all of its layers' in one: the next test)
             tails = ops.get("specmesh_cpu::mlp_tail", 0) + len(lean.layers) * ops.get(
                 "specmesh_cpu::dense_layers", 0)
             assert tails == (len(lean.layers) if on and rows * new <= 32 else 0)
@@ -574,12 +574,14 @@ def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(
             assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])
 
 
-@pytest.mark.parametrize("rows", [1, 5], ids=["one-stream", "five-rows"])
-def test_a_dense_decode_pass_runs_its_layers_in_one_operator_with_the_same_floats(rows):
-    """A decode pass whose rows sit in their slots' order with one token each (every pass of
-    one stream) runs all of its layers in ``specmesh_cpu::dense_layers``: the same operators
-    called from C++, so the demo target's logits over three steps are the very floats of the
-    layer-by-layer path and the caches hold the same keys and values."""
+@pytest.mark.parametrize("rows, new", [(1, 1), (5, 1), (1, 4), (3, 4)],
+                         ids=["one-stream", "five-rows", "one-stream-verify", "three-verifies"])
+def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(rows, new):
+    """A pass whose rows sit in their slots' order with as many new tokens each (every
+    decode and verify pass of one stream) runs all of its layers in
+    ``specmesh_cpu::dense_layers``: the same operators called from C++, so the demo target's
+    logits over three steps are the very floats of the layer-by-layer path and the caches
+    hold the same keys and values."""
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
     own = lean._dense_weights
@@ -594,14 +596,16 @@ def test_a_dense_decode_pass_runs_its_layers_in_one_operator_with_the_same_float
         for caches, one_op in ((dense, True), (layered, False)):
             lean._dense_weights = own if one_op else lambda rows: None
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
-                got.append(forward_rows(lean, [Row(tokens=[9 + step + b], kv=kv, start=s, keep=1)
+                got.append(forward_rows(lean, [Row(tokens=list(range(9 + step + b, 9 + step + b
+                                                                      + new)),
+                                                   kv=kv, start=s, keep=new)
                                                for b, (kv, s) in enumerate(caches)], "cpu",
                                         _no_batch_cache))
             ops = {e.key: e.count for e in prof.key_averages()}
             assert ops.get("specmesh_cpu::dense_layers", 0) == (1 if one_op else 0)
             assert ops.get("specmesh_cpu::mlp_tail", 0) == (0 if one_op else len(lean.layers))
             for c in caches:
-                c[1] += 1
+                c[1] += new
         for a, b in zip(*got, strict=True):
             assert torch.equal(a, b)
     for (a, _), (b, _) in zip(dense, layered, strict=True):

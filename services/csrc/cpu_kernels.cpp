@@ -1,8 +1,8 @@
 // The CPU kernels of services/cpu_kernels.py: a linear layer over 16-bit weights, a row argmax,
 // the attention of a pass's pooled decode and verify rows (pooled_attention.h) and of a shared
 // prefix (prefix_attention.h), RMS norm, a layer's rotary embedding with its cache writes, and
-// a layer's steps over few rows as one operator each, and a dense decode pass's layers as one
-// (layer_parts.h).
+// a layer's steps over few rows as one operator each, and the layers of a pass whose rows hold
+// as many tokens each as one (layer_parts.h).
 //
 // y = x @ W^T for float32 activations and weights stored in 16 bits (fp16 or bf16), computed in
 // float32: each weight is widened exactly and every product and sum is a float32 FMA, so the
@@ -495,6 +495,6 @@ TORCH_LIBRARY(specmesh_cpu, m) {
   m.def("dense_layers(Tensor x, Tensor[] ln1, Tensor[] qkv, int qkv_n, Tensor[] o, Tensor[] ln2, "
         "Tensor[] gate_up, int gu_n, Tensor[] down, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor cos, "
         "Tensor ssin, int heads, int kv_heads, float eps, float scale, Tensor slot, Tensor pos, int lo, "
-        "int since, int keys_end, Tensor last) -> Tensor", &dense_layers);
+        "int width, int since, int keys_end, Tensor last) -> Tensor", &dense_layers);
   m.def("isa() -> str", &cpu_isa);
 }
