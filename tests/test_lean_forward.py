@@ -441,6 +441,17 @@ def _fed(lean, prompts: list[list[int]]) -> list[list]:
     return out
 
 
+def _same_caches(ours: list[list], theirs: list[list]) -> None:
+    """Each pair of caches (``_fed``'s [cache, length] lists) holds as many positions and the
+    very same keys and values."""
+    for (a, _), (b, _) in zip(ours, theirs, strict=True):
+        length = a.get_seq_length()
+        assert length == b.get_seq_length()
+        for la, lb in zip(a.layers, b.layers, strict=True):
+            assert torch.equal(la.keys[..., :length, :], lb.keys[..., :length, :])
+            assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])
+
+
 @pytest.mark.parametrize("rows, shared", [(1, 0), (5, 0), (5, 144)],
                          ids=["one", "five", "five-sharing-a-prefix"])
 def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(rows, shared,
@@ -490,12 +501,7 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
                 c[1] += 1
         for a, b in zip(*got, strict=True):
             assert torch.equal(a, b)
-    for (a, _), (b, _) in zip(fused, plain, strict=True):
-        length = a.get_seq_length()
-        assert length == b.get_seq_length()
-        for la, lb in zip(a.layers, b.layers, strict=True):
-            assert torch.equal(la.keys[..., :length, :], lb.keys[..., :length, :])
-            assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])
+    _same_caches(fused, plain)
 
 
 @pytest.mark.parametrize("new", [1, 4], ids=["decode", "verify"])
@@ -567,11 +573,7 @@ def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(
                 c[1] += new
         for a, b in zip(*got, strict=True):
             assert torch.equal(a, b)
-    for (a, _), (b, _) in zip(fused, plain, strict=True):
-        length = a.get_seq_length()
-        for la, lb in zip(a.layers, b.layers, strict=True):
-            assert torch.equal(la.keys[..., :length, :], lb.keys[..., :length, :])
-            assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])
+    _same_caches(fused, plain)
 
 
 @pytest.mark.parametrize("rows, new", [(1, 1), (5, 1), (1, 4), (3, 4)],
@@ -608,9 +610,4 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
                 c[1] += new
         for a, b in zip(*got, strict=True):
             assert torch.equal(a, b)
-    for (a, _), (b, _) in zip(dense, layered, strict=True):
-        length = a.get_seq_length()
-        assert length == b.get_seq_length()
-        for la, lb in zip(a.layers, b.layers, strict=True):
-            assert torch.equal(la.keys[..., :length, :], lb.keys[..., :length, :])
-            assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])
+    _same_caches(dense, layered)
