@@ -369,6 +369,32 @@ class LeanLlama(torch.nn.Module):
     @torch.inference_mode()
     def forward_ragged(self, rows, shared: list[tuple[list[int], int]] = ()
                        ) -> list[torch.Tensor]:
+        """``_ragged`` over the rows in their slots' order where the pass can run its layers
+        as one operator (``_dense_weights``), its logits given back in the rows' own order:
+        a row's floats do not depend on its place in the pass, and rows in slot order make a
+        pass whose slots line up ``uniform`` (``_dense_layers``), where the order in which
+        calls joined the batch would leave most passes of several sessions out."""
+        order = self._slot_order(rows)
+        if order is None:
+            return self._ragged(rows, shared)
+        where = {old: new for new, old in enumerate(order)}
+        logits = self._ragged([rows[b] for b in order],
+                              [(sorted(where[b] for b in idx), p) for idx, p in shared])
+        return [logits[where[b]] for b in range(len(rows))]
+
+    def _slot_order(self, rows) -> list[int] | None:
+        """The rows' indices by their caches' pool slots, where the one-operator pass may
+        run and they are not in that order already; else None."""
+        if len(rows) < 2 or self._dense_weights(sum(len(r.tokens) for r in rows)) is None:
+            return None
+        slots = [getattr(r.kv, "slot", None) for r in rows]
+        if None in slots:
+            return None
+        order = sorted(range(len(rows)), key=slots.__getitem__)
+        return None if order == list(range(len(rows))) else order
+
+    def _ragged(self, rows, shared: list[tuple[list[int], int]] = ()
+                ) -> list[torch.Tensor]:
         """One pass over several sessions' new tokens, each on its own KV cache, read and
         written in place: no cache is stacked or copied. The projections and the LM head run
         once over all the rows' tokens together (that is where batching pays: each weight is

@@ -576,14 +576,18 @@ def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(
     _same_caches(fused, plain)
 
 
-@pytest.mark.parametrize("rows, new", [(1, 1), (5, 1), (1, 4), (3, 4)],
-                         ids=["one-stream", "five-rows", "one-stream-verify", "three-verifies"])
-def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(rows, new):
-    """A pass whose rows sit in their slots' order with as many new tokens each (every
-    decode and verify pass of one stream) runs all of its layers in
-    ``specmesh_cpu::dense_layers``: the same operators called from C++, so the demo target's
-    logits over three steps are the very floats of the layer-by-layer path and the caches
-    hold the same keys and values."""
+@pytest.mark.parametrize("rows, new, mixed", [(1, 1, False), (5, 1, False), (1, 4, False),
+                                              (3, 4, False), (5, 1, True), (3, 4, True)],
+                         ids=["one-stream", "five-rows", "one-stream-verify", "three-verifies",
+                              "five-rows-out-of-slot-order", "three-verifies-out-of-order"])
+def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(rows, new,
+                                                                               mixed):
+    """A pass whose rows hold as many new tokens each in slots that line up (every decode
+    and verify pass of one stream) runs all of its layers in ``specmesh_cpu::dense_layers``:
+    the same operators called from C++, so the demo target's logits over three steps are the
+    very floats of the layer-by-layer path and the caches hold the same keys and values. Rows
+    that come in another order than their slots' (the order calls joined the batch) run in
+    slot order and get their own logits back."""
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
     own = lean._dense_weights
@@ -593,6 +597,9 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
                                          .manual_seed(b)).tolist() for b in range(rows)])
 
     dense, layered = sessions(), sessions()
+    if mixed:  # e.g. slots 2, 0, 1: every row's place in the pass is not its slot's
+        dense, layered = dense[2:] + dense[:2], layered[2:] + layered[:2]
+        assert [kv.slot for kv, _ in dense] != sorted(kv.slot for kv, _ in dense)
     for step in range(3):
         got = []
         for caches, one_op in ((dense, True), (layered, False)):
