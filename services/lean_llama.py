@@ -42,6 +42,7 @@ from services.config import FORWARD_MODES
 from services.cuda_graphs import DecodeGraphs
 from services.kv_slab import POOL_SEGMENT, KVPool, SlabCache, free_memory, pool_slots
 from services.linear_layers import Linear, half_copies, packing_unavailable
+from services.uniform_pass import UniformPass, slot_order
 
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
@@ -177,7 +178,9 @@ class LeanLlama(torch.nn.Module):
                                 and weight.dtype == torch.float32 and not cpu_kernels.kernel())
         # a layer's steps over its 16-bit copies as one operator each (``finish_layer``)
         self.kernel_layer = self.kernel_norm
-        self._dense: list[list[torch.Tensor]] | None = None  # ``_dense_weights``, made once
+        # a pass of uniform rows runs its layers as one operator (``_uniform``)
+        self.uniform_pass = UniformPass(self.layers, self._heads, self._kv_heads,
+                                        self._head_dim, self._inter, self._eps)
         # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
         self.graphs = None if not (graphs and self.pool) else DecodeGraphs(
             self, capture=weight.device.type == "cuda", row_max=POOL_ROW_MAX)
@@ -292,35 +295,14 @@ class LeanLlama(torch.nn.Module):
         return torch.ops.specmesh_cpu.norm_qkv_store(x, w.ln1, self._eps, qkv, (H + 2 * KV) * D,
                                                      cos, sin, H, KV, *buffers, p.slot, p.pos)
 
-    def _dense_weights(self, rows: int) -> list[list[torch.Tensor]] | None:
-        """Every layer's ln1, qkv, o, ln2, gate_up and down (their 16-bit copies), as
-        ``_dense_layers`` passes them, when a pass of ``rows`` rows can run its layers as one
-        operator: the layers' fused operators are on and every projection has its copy."""
-        if not self.kernel_layer or rows > half_linear.ROWS_MAX:
+    def _uniform(self, tokens: int) -> UniformPass | None:
+        """The one-operator pass of uniform rows (services/uniform_pass.py), where a pass of
+        ``tokens`` tokens can take it: the layers' fused operators are on, the projections
+        read their 16-bit copies over that many rows, and every one has a copy."""
+        if (not self.kernel_layer or tokens > half_linear.ROWS_MAX
+                or self.uniform_pass.weights is None):
             return None
-        if self._dense is None:
-            ok = all(w.halves and w.qkv.half is not None for w in self.layers)
-            self._dense = [[w.ln1 for w in self.layers], [w.qkv.half for w in self.layers],
-                           [w.o.half for w in self.layers], [w.ln2 for w in self.layers],
-                           [w.gate_up.half for w in self.layers],
-                           [w.down.half for w in self.layers]] if ok else []
-        return self._dense or None
-
-    def _dense_layers(self, x: torch.Tensor, p, cos: torch.Tensor, sin: torch.Tensor,
-                      weights: list[list[torch.Tensor]]) -> torch.Tensor:
-        """The layers of a pass whose rows hold as many new tokens each, in their slots'
-        order (``p``, their one pooled plan, is ``uniform``: every decode and verify pass of
-        one stream) over x [1, T, h] as one operator (``specmesh_cpu::dense_layers``,
-        services/csrc/layer_parts.h): per layer the very operators of the loop in
-        ``forward_ragged`` (``_stored_qkv``, the pooled attention, ``finish_layer``), the
-        same floats, without the interpreter between them and their views."""
-        H, KV, D = self._heads, self._kv_heads, self._head_dim
-        ln1, qkv, o, ln2, gate_up, down = weights
-        segment = self.pool.segments[p.segment]
-        return torch.ops.specmesh_cpu.dense_layers(
-            x[0], ln1, qkv, (H + 2 * KV) * D, o, ln2, gate_up, 2 * self._inter, down,
-            [b[0] for b in segment], [b[1] for b in segment], cos, sin, H, KV, self._eps,
-            D ** -0.5, p.slot, p.pos, p.lo, p.width, p.since, p.keys, p.last)[None]  # [1, T, h]
+        return self.uniform_pass
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., V] of x [..., h]."""
@@ -370,28 +352,18 @@ class LeanLlama(torch.nn.Module):
     def forward_ragged(self, rows, shared: list[tuple[list[int], int]] = ()
                        ) -> list[torch.Tensor]:
         """``_ragged`` over the rows in their slots' order where the pass can run its layers
-        as one operator (``_dense_weights``), its logits given back in the rows' own order:
-        a row's floats do not depend on its place in the pass, and rows in slot order make a
-        pass whose slots line up ``uniform`` (``_dense_layers``), where the order in which
-        calls joined the batch would leave most passes of several sessions out."""
-        order = self._slot_order(rows)
+        as one operator (``_uniform``), its logits given back in the rows' own order: rows
+        in slot order make a pass whose slots line up uniform, where the order in which calls
+        joined the batch would leave most passes of several sessions out."""
+        order = None
+        if self._uniform(sum(len(r.tokens) for r in rows)) is not None:
+            order = slot_order(rows)
         if order is None:
             return self._ragged(rows, shared)
         where = {old: new for new, old in enumerate(order)}
         logits = self._ragged([rows[b] for b in order],
                               [(sorted(where[b] for b in idx), p) for idx, p in shared])
         return [logits[where[b]] for b in range(len(rows))]
-
-    def _slot_order(self, rows) -> list[int] | None:
-        """The rows' indices by their caches' pool slots, where the one-operator pass may
-        run and they are not in that order already; else None."""
-        if len(rows) < 2 or self._dense_weights(sum(len(r.tokens) for r in rows)) is None:
-            return None
-        slots = [getattr(r.kv, "slot", None) for r in rows]
-        if None in slots:
-            return None
-        order = sorted(range(len(rows)), key=slots.__getitem__)
-        return None if order == list(range(len(rows))) else order
 
     def _ragged(self, rows, shared: list[tuple[list[int], int]] = ()
                 ) -> list[torch.Tensor]:
@@ -460,10 +432,10 @@ class LeanLlama(torch.nn.Module):
         fused = self.kernel_rope and (whole and not cascades or solo is not None)
         if fused:
             cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
-        weights = self._dense_weights(T) if fused and solo is None and plans[0].uniform else None
-        if weights is not None:  # every layer in one operator
-            x = self._dense_layers(x, plans[0], cos_t, sin_t, weights)
-        for i, w in enumerate(self.layers if weights is None else ()):
+        one_op = self._uniform(T) if fused and solo is None and plans[0].uniform else None
+        if one_op is not None:  # every layer in one operator
+            x = one_op.run(x, plans[0], self.pool.segments[plans[0].segment], cos_t, sin_t)
+        for i, w in enumerate(self.layers if one_op is None else ()):
             if fused:  # rotate, split and write the keys and values in one operator
                 p = plans[0] if solo is None else solo.pooled[0]
                 buffers = self.pool.segments[p.segment][i]

@@ -469,7 +469,7 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
     assert lean.kernel_rope and lean.kernel_attention
     # layer by layer, where the calls are counted (a dense pass's one operator for all of
     # them: test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats)
-    lean._dense_weights = lambda rows: None
+    lean._uniform = lambda tokens: None
     if shared and not lean.kernel_prefix:
         pytest.skip("prefix_attention needs AVX-512; this CPU has none")
     written = []  # per attend call: were the keys written before it (the fused path)?
@@ -590,7 +590,7 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
     slot order and get their own logits back."""
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
-    own = lean._dense_weights
+    own = lean._uniform
 
     def sessions():
         return _fed(lean, [torch.randint(0, 8000, (30 + 17 * b,), generator=torch.Generator()
@@ -603,7 +603,7 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
     for step in range(3):
         got = []
         for caches, one_op in ((dense, True), (layered, False)):
-            lean._dense_weights = own if one_op else lambda rows: None
+            lean._uniform = own if one_op else lambda tokens: None
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 got.append(forward_rows(lean, [Row(tokens=list(range(9 + step + b, 9 + step + b
                                                                       + new)),

@@ -1,0 +1,64 @@
+"""A pass of uniform rows as one operator: the lean forward's layers (services/lean_llama.py)
+where every row of a pass holds as many new tokens, in slots of one pool segment that line up
+(``PooledRows.uniform``, services/ragged_attention.py: every decode and verify pass of one
+stream, and several sessions' in slot order).
+
+Such a pass runs all of its layers in ``specmesh_cpu::dense_layers``
+(services/csrc/layer_parts.h), which calls per layer the very operators the layer loop runs
+(``norm_qkv_store``, the pooled attention kernel over the padded batch, which has no padding
+here, and ``mlp_tail``) from C++: the same floats, without the interpreter, the views and
+the dispatch of three operators between them (~25 us a layer on one row). A one-session
+decode pass of the demo target ran ~24% shorter with it, a 4-token verify ~19%
+(docs/performance.md, 2026-11-28).
+
+Calls join a replica's running batch in the order they arrive, which after the first wave of
+requests is not their slots' order: ``slot_order`` says how to take a pass's rows so that
+their slots line up (a row's floats do not depend on its place in the pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class UniformPass:
+    """A lean model's layers as ``dense_layers`` reads them: per kind (ln1, qkv, o, ln2,
+    gate_up, down) every layer's weight, the projections' 16-bit copies
+    (services/half_linear.py). ``weights`` is None where a projection has no copy."""
+
+    def __init__(self, layers: Sequence, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float) -> None:
+        self._heads, self._kv_heads, self._head_dim = heads, kv_heads, head_dim
+        self._inter, self._eps = intermediate, eps
+        halves = all(w.halves and w.qkv.half is not None for w in layers)
+        self.weights = [[w.ln1 for w in layers], [w.qkv.half for w in layers],
+                        [w.o.half for w in layers], [w.ln2 for w in layers],
+                        [w.gate_up.half for w in layers],
+                        [w.down.half for w in layers]] if halves else None
+
+    def run(self, x: torch.Tensor, p, segment: Sequence[tuple[torch.Tensor, torch.Tensor]],
+            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Every layer over x [1, T, h] for the rows of ``p`` (their one pooled plan, whose
+        rows are ``uniform``), their keys and values written into the segment's buffers
+        (``segment``: per layer keys, values [S, KV, slot_len, D]); cos, sin [T, D]. Returns
+        the last layer's output [1, T, h]."""
+        H, KV, D = self._heads, self._kv_heads, self._head_dim
+        ln1, qkv, o, ln2, gate_up, down = self.weights
+        return torch.ops.specmesh_cpu.dense_layers(
+            x[0], ln1, qkv, (H + 2 * KV) * D, o, ln2, gate_up, 2 * self._inter, down,
+            [b[0] for b in segment], [b[1] for b in segment], cos, sin, H, KV, self._eps,
+            D ** -0.5, p.slot, p.pos, p.lo, p.width, p.since, p.keys, p.last)[None]
+
+
+def slot_order(rows: Sequence) -> list[int] | None:
+    """The rows' indices by their caches' pool slots, or None where they are in that order
+    already or a row's cache has no slot."""
+    if len(rows) < 2:
+        return None
+    slots = [getattr(r.kv, "slot", None) for r in rows]
+    if None in slots:
+        return None
+    order = sorted(range(len(rows)), key=slots.__getitem__)
+    return None if order == list(range(len(rows))) else order
