@@ -12,7 +12,7 @@ compiler on first use and loaded as PyTorch operators.
   row over its own keys only (services/ragged_attention.py; services/csrc/pooled_attention.h).
 - ``specmesh_cpu::prefix_attention``: a cascade's shared prefix attended by all of its
   queries at once and merged with what each attended on its own (services/csrc/
-  prefix_attention.h, services/ragged_attention.py ``attend``); AVX-512 only.
+  prefix_attention.h, services/ragged_attention.py ``attend``).
 - ``specmesh_cpu::rms_norm``: transformers' LlamaRMSNorm of float32 rows in one operator
   (PyTorch's runs six on a CPU: ~40 us a call inside a pass; services/lean_llama.py ``_rms``).
 - ``specmesh_cpu::rope_store``: a layer's rotary embedding of its queries and keys (the
@@ -23,8 +23,8 @@ The linear and argmax kernels are compiled for AVX-512 and for AVX2 with F16C an
 picked at run time; the attention, norm and rotary kernels for AVX2 with FMA (the
 attention is bound by reading the caches: a 16-lane build was no faster), the attention's
 variant that runs two query heads a key load also for AVX-512VL (its 32 registers); the prefix
-attention, mostly multiply-adds, for AVX-512 only (``prefix_attention_isa`` is "" on other
-CPUs, whose passes keep PyTorch's matrix products for it). So the library
+attention, mostly multiply-adds, for AVX-512 and for AVX2 (the same floats; 16 or 8 lanes).
+So the library
 suits any x86-64 CPU with AVX2. It is kept in ``cache_dir`` per source, flags and PyTorch
 version, or shipped beside the source by an image built with a compiler (``prebuild``).
 Without either, or on another CPU, ``kernel`` says why and the callers keep PyTorch's

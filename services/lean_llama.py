@@ -169,7 +169,7 @@ class LeanLlama(torch.nn.Module):
         # operators, two cache writes and their views)
         self.kernel_rope = self.kernel_attention
         # a cascade's shared prefix attended by all its queries at once and merged with their
-        # rests in one operator (``specmesh_cpu::prefix_attention``: AVX-512 only)
+        # rests in one operator (``specmesh_cpu::prefix_attention``, AVX-512 or AVX2)
         self.kernel_prefix = bool(self.kernel_attention
                                   and torch.ops.specmesh_cpu.prefix_attention_isa())
         # RMS norms of float32 activations on a CPU in the project's kernel (one operator

@@ -364,7 +364,7 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     prefix_calls = []
     if kernel == "prefix":
         if not torch.ops.specmesh_cpu.prefix_attention_isa():
-            pytest.skip("prefix_attention needs AVX-512; this CPU has none")
+            pytest.skip("prefix_attention needs AVX-512 or AVX2; this CPU has neither")
         monkeypatch.setattr(torch.ops.specmesh_cpu, "prefix_attention", lambda *a, op=(
             torch.ops.specmesh_cpu.prefix_attention): prefix_calls.append(1) or op(*a))
     monkeypatch.setattr(ragged_attention, "DENSE_MIN", 1 if dense else 10**9)
@@ -471,7 +471,7 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
     # them: test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats)
     lean._uniform = lambda tokens: None
     if shared and not lean.kernel_prefix:
-        pytest.skip("prefix_attention needs AVX-512; this CPU has none")
+        pytest.skip("prefix_attention needs AVX-512 or AVX2; this CPU has neither")
     written = []  # per attend call: were the keys written before it (the fused path)?
     attend = ragged_attention.attend
     monkeypatch.setattr(ragged_attention, "attend", lambda p, b, q, k, v, prefix=None: (

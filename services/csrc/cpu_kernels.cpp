@@ -482,7 +482,7 @@ TORCH_LIBRARY(specmesh_cpu, m) {
   m.def("attention(Tensor q, Tensor keys, Tensor values, Tensor last, int since, float scale) "
         "-> (Tensor, Tensor)", &pooled_attention);
   m.def("prefix_attention(Tensor q, Tensor keys, Tensor values, Tensor rest_out, Tensor rest_lse, "
-        "float scale) -> Tensor", &prefix_attention);
+        "float scale, str isa=\"\") -> Tensor", &prefix_attention);
   m.def("prefix_attention_isa() -> str", &prefix_attention_isa);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor ssin, int heads, int kv_heads, Tensor(a!) keys, "

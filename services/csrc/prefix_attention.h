@@ -18,9 +18,12 @@
 //     o = o_p exp(lse_p - lse) + o_s exp(lse_s - lse),  lse = logaddexp(lse_p, lse_s),
 //
 // which the Python side did in eight operators over the group's outputs.
-// AVX-512 only (most of its time is multiply-adds, which AVX2 does eight lanes at a time,
-// and the rest waiting on the prefix's keys and values from memory): on an AVX2 CPU the
-// Python side keeps its matrix products (``prefix_attention_isa`` says which).
+// With AVX2 the same steps run on 8-lane vectors (a block of 16 queries as 2 vectors with 4
+// keys or output features in registers, of 32 as 4 with 2: AVX2 has 16 registers), each
+// query's sums in the same order and the exponentials by the same steps: the very floats of
+// the AVX-512 path (a test), which an AVX2 CPU's passes otherwise replaced by PyTorch's
+// matrix products and merge (~20% longer 8-session passes behind 800 shared positions on the
+// demo target, docs/performance.md 2026-11-28).
 
 constexpr int64_t kQueries = 32;  // queries a task holds at most: two AVX-512 vectors
 constexpr int64_t kKeys = 64;     // keys per online-softmax block
@@ -132,23 +135,94 @@ template <int C> AVX512 void prefix_block(const PrefixTask& t) {
   }
 }
 
-bool prefix_attention_runs() {  // (asked once; every call checks it)
-  // (the AVX512 target lets the compiler use AVX-512BW as well)
-  static const bool runs = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  }();
-  return runs;
+// prefix_block's steps on 8-lane vectors: C vectors of queries (8 C), TILE keys (scores) or
+// output features (values) in registers
+template <int C, int TILE> AVX2 void prefix_block256(const PrefixTask& t) {
+  constexpr int64_t W = 8 * C;  // queries: QT's and S's rows are W floats
+  const int64_t D = t.D;
+  __m256 m[C], l[C];
+  for (int c = 0; c < C; ++c) m[c] = _mm256_set1_ps(-INFINITY), l[c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D * W; i += 8) _mm256_storeu_ps(t.ot + i, _mm256_setzero_ps());
+  for (int64_t j0 = 0; j0 < t.P; j0 += kKeys) {
+    const int64_t jn = std::min(kKeys, t.P - j0);
+    for (int64_t j = 0; j < jn; j += TILE) {
+      const int64_t tn = std::min<int64_t>(TILE, jn - j);
+      const float* kj = t.k + (j0 + j) * t.kstep;
+      for (int64_t r = j; r < j + tn; ++r) {  // (as prefix_block: values, the next block's keys)
+        const char* vr = reinterpret_cast<const char*>(t.v + (j0 + r) * t.vstep);
+        const char* kr = reinterpret_cast<const char*>(t.k + (j0 + kKeys + r) * t.kstep);
+        for (int64_t b = 0; b < D * 4; b += 64) {
+          _mm_prefetch(vr + b, _MM_HINT_T0);
+          if (j0 + kKeys + r < t.P) _mm_prefetch(kr + b, _MM_HINT_T0);
+        }
+      }
+      __m256 acc[TILE][C];
+      for (int r = 0; r < TILE; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+      const auto tile = [&](int rows) AVX2 {
+        for (int64_t d = 0; d < D; ++d) {
+          __m256 qd[C];
+          for (int c = 0; c < C; ++c) qd[c] = _mm256_loadu_ps(t.qt + d * W + 8 * c);
+          for (int r = 0; r < rows; ++r) {
+            const __m256 b = _mm256_set1_ps(kj[r * t.kstep + d]);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(b, qd[c], acc[r][c]);
+          }
+        }
+      };
+      if (tn == TILE) tile(TILE);
+      else tile(static_cast<int>(tn));
+      for (int r = 0; r < tn; ++r)
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(t.s + (j + r) * W + 8 * c, acc[r][c]);
+    }
+    __m256 alpha[C];
+    for (int c = 0; c < C; ++c) {
+      __m256 top = m[c];
+      for (int64_t j = 0; j < jn; ++j) top = _mm256_max_ps(top, _mm256_loadu_ps(t.s + j * W + 8 * c));
+      alpha[c] = exp256(_mm256_sub_ps(m[c], top));
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < jn; ++j) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(t.s + j * W + 8 * c), top));
+        _mm256_storeu_ps(t.s + j * W + 8 * c, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      l[c] = _mm256_fmadd_ps(l[c], alpha[c], sum);
+      m[c] = top;
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += TILE) {
+      __m256 acc[TILE][C];
+      for (int r = 0; r < TILE; ++r)
+        for (int c = 0; c < C; ++c)
+          acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(t.ot + (d0 + r) * W + 8 * c), alpha[c]);
+      for (int64_t j = 0; j < jn; ++j) {
+        const float* vj = t.v + (j0 + j) * t.vstep + d0;
+        __m256 pj[C];
+        for (int c = 0; c < C; ++c) pj[c] = _mm256_loadu_ps(t.s + j * W + 8 * c);
+        for (int r = 0; r < TILE; ++r) {
+          const __m256 b = _mm256_set1_ps(vj[r]);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(b, pj[c], acc[r][c]);
+        }
+      }
+      for (int r = 0; r < TILE; ++r)
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(t.ot + (d0 + r) * W + 8 * c, acc[r][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    _mm256_storeu_ps(t.m + 8 * c, m[c]);
+    _mm256_storeu_ps(t.l + 8 * c, l[c]);
+  }
 }
 
-std::string prefix_attention_isa() { return prefix_attention_runs() ? "avx512" : ""; }
+// "avx512" or "avx2": the best path this CPU runs (``isa``); "" for none
+std::string prefix_attention_isa() { return isa(); }
 
 // q, rest_out [n, KV, R, D] float32 (any strides, unit stride in D for rest_out); rest_lse
 // [n, KV, R]; keys, values [KV, P, D] float32 with unit stride in D: the shared prefix, seen
 // whole by every query. Returns [n, KV, R, D]: each query's attention over the prefix merged
 // with its rest (rest_out, rest_lse: what it attended apart; lse -inf for none).
+// ``want``: "" for the best path this CPU runs, or "avx2" (tests compare the two).
 at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& rest_out, const at::Tensor& rest_lse, double scale) {
+                            const at::Tensor& rest_out, const at::Tensor& rest_lse, double scale,
+                            const std::string& want) {
   for (const auto* t : {&q, &keys, &values, &rest_out, &rest_lse})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
                 "prefix_attention: every tensor must be float32 on the CPU");
@@ -162,7 +236,11 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
   TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1 && rest_out.stride(3) == 1,
               "prefix_attention: keys, values and rest_out need unit stride in D");
   TORCH_CHECK(D % kTile == 0 && D > 0 && D <= 256, "prefix_attention: D must be a multiple of 8, at most 256, got ", D);
-  TORCH_CHECK(prefix_attention_runs(), "prefix_attention: this CPU has no AVX-512");
+  static const std::string found = isa();
+  TORCH_CHECK(!found.empty(), "prefix_attention: this CPU has neither AVX-512 nor AVX2");
+  TORCH_CHECK(want.empty() || want == "avx2" || want == found,
+              "prefix_attention: isa must be \"\", \"avx2\" or this CPU's (", found, "), got ", want);
+  const bool wide = found == "avx512" && want != "avx2";
   const int64_t P = keys.size(1), Q = n * R;
   const int64_t width = Q <= 16 ? 16 : kQueries;  // queries a task: a half-empty block costs as much
   const int64_t blocks = (Q + width - 1) / width;
@@ -190,8 +268,8 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
       if (P > 0) {
         const PrefixTask t{kp + h * keys.stride(0), vp + h * values.stride(0), keys.stride(1),
                            values.stride(1), P, D, qt.data(), s.data(), ot.data(), m.data(), l.data()};
-        if (width == 16) prefix_block<1>(t);
-        else prefix_block<2>(t);
+        if (wide) (width == 16 ? prefix_block<1> : prefix_block<2>)(t);
+        else (width == 16 ? prefix_block256<2, 4> : prefix_block256<4, 2>)(t);
       }
       for (int64_t c = 0; c < lanes; ++c) {
         const int64_t i = (first + c) / R, r = (first + c) % R;
