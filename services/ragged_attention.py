@@ -91,7 +91,7 @@ class PooledRows:
     dense: bool = False
     # Each slot of the window is one row of ``width`` new tokens, in order (``dense`` with
     # one): the padded batch has no padding, and is the pass's queries in another order
-    # (services/lean_llama.py ``_dense_layers``).
+    # (services/uniform_pass.py runs such a pass's layers as one operator).
     uniform: bool = False
 
     @property
