@@ -30,7 +30,7 @@ at::Tensor norm_qkv_store(const at::Tensor& x, const at::Tensor& ln1, double eps
 }
 
 // A pass's layers where its rows hold ``width`` new tokens each, row i in slot lo + i of the
-// segment (services/lean_llama.py ``_dense_layers``: every pass of one stream, decode or
+// segment (services/uniform_pass.py: every pass of one stream, decode or
 // verify), and every layer's weights have 16-bit copies. Per layer the very operators the
 // Python side runs: ``norm_qkv_store``, the pooled rows' ``pooled_attention`` over their slots
 // (positions since..keys_end - 1, query r of row i seeing those up to last[i][r % width]) on
