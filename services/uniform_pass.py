@@ -7,8 +7,8 @@ Such a pass runs all of its layers in ``specmesh_cpu::dense_layers``
 (services/csrc/layer_parts.h), which calls per layer the very operators the layer loop runs
 (``norm_qkv_store``, the pooled attention kernel over the padded batch, which has no padding
 here, and ``mlp_tail``) from C++: the same floats, without the interpreter, the views and
-the dispatch of three operators between them (~25 us a layer on one row). A one-session
-decode pass of the demo target ran ~24% shorter with it, a 4-token verify ~19%
+the dispatch of three operators between them (~20 us a layer on one row). A one-session
+decode pass of the demo target ran ~12% shorter with it, a 4-token verify ~19%
 (docs/performance.md, 2026-11-28).
 
 Calls join a replica's running batch in the order they arrive, which after the first wave of
