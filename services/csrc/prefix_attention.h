@@ -22,8 +22,9 @@
 // keys or output features in registers, of 32 as 4 with 2: AVX2 has 16 registers), each
 // query's sums in the same order and the exponentials by the same steps: the very floats of
 // the AVX-512 path (a test), which an AVX2 CPU's passes otherwise replaced by PyTorch's
-// matrix products and merge (~20% longer 8-session passes behind 800 shared positions on the
-// demo target, docs/performance.md 2026-11-28).
+// matrix products and merge (8 demo-target sessions behind 800 shared positions: passes 1.98x
+// a short pass's time with those, 1.42x with this path, 1.36x with AVX-512's;
+// docs/performance.md 2026-11-28).
 
 constexpr int64_t kQueries = 32;  // queries a task holds at most: two AVX-512 vectors
 constexpr int64_t kKeys = 64;     // keys per online-softmax block
@@ -54,6 +55,19 @@ struct PrefixTask {
   const float* qt; float* s; float* ot; float* m; float* l;
 };
 
+// Asks for keys j0 + j .. j0 + j + tn - 1's values (read after the scores) and the next
+// block's keys: a pass's prefix comes from memory or L3 (the weights streamed through since)
+inline void prefetch_tile(const PrefixTask& t, int64_t j0, int64_t j, int64_t tn) {
+  for (int64_t r = j; r < j + tn; ++r) {
+    const char* vr = reinterpret_cast<const char*>(t.v + (j0 + r) * t.vstep);
+    const char* kr = reinterpret_cast<const char*>(t.k + (j0 + kKeys + r) * t.kstep);
+    for (int64_t b = 0; b < t.D * 4; b += 64) {
+      _mm_prefetch(vr + b, _MM_HINT_T0);
+      if (j0 + kKeys + r < t.P) _mm_prefetch(kr + b, _MM_HINT_T0);
+    }
+  }
+}
+
 // C vectors of queries (16 C, QT rows that far apart): one where a call has at most 16
 template <int C> AVX512 void prefix_block(const PrefixTask& t) {
   constexpr int64_t W = 16 * C;  // queries: QT's and S's rows are W floats
@@ -67,16 +81,7 @@ template <int C> AVX512 void prefix_block(const PrefixTask& t) {
     for (int64_t j = 0; j < jn; j += kTile) {
       const int64_t tn = std::min(kTile, jn - j);
       const float* kj = t.k + (j0 + j) * t.kstep;
-      // ask for these keys' values (read after the scores) and the next block's keys: a
-      // pass's prefix comes from memory or L3 (the weights streamed through since)
-      for (int64_t r = j; r < j + tn; ++r) {
-        const char* vr = reinterpret_cast<const char*>(t.v + (j0 + r) * t.vstep);
-        const char* kr = reinterpret_cast<const char*>(t.k + (j0 + kKeys + r) * t.kstep);
-        for (int64_t b = 0; b < D * 4; b += 64) {
-          _mm_prefetch(vr + b, _MM_HINT_T0);
-          if (j0 + kKeys + r < t.P) _mm_prefetch(kr + b, _MM_HINT_T0);
-        }
-      }
+      prefetch_tile(t, j0, j, tn);
       __m512 acc[kTile][C];
       for (int r = 0; r < kTile; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -148,14 +153,7 @@ template <int C, int TILE> AVX2 void prefix_block256(const PrefixTask& t) {
     for (int64_t j = 0; j < jn; j += TILE) {
       const int64_t tn = std::min<int64_t>(TILE, jn - j);
       const float* kj = t.k + (j0 + j) * t.kstep;
-      for (int64_t r = j; r < j + tn; ++r) {  // (as prefix_block: values, the next block's keys)
-        const char* vr = reinterpret_cast<const char*>(t.v + (j0 + r) * t.vstep);
-        const char* kr = reinterpret_cast<const char*>(t.k + (j0 + kKeys + r) * t.kstep);
-        for (int64_t b = 0; b < D * 4; b += 64) {
-          _mm_prefetch(vr + b, _MM_HINT_T0);
-          if (j0 + kKeys + r < t.P) _mm_prefetch(kr + b, _MM_HINT_T0);
-        }
-      }
+      prefetch_tile(t, j0, j, tn);
       __m256 acc[TILE][C];
       for (int r = 0; r < TILE; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
