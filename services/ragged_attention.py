@@ -83,16 +83,19 @@ class PooledRows:
     cols: torch.Tensor | None = None  # [P] with since > 0: each token's column in its group
     # The common decode pass (one stream's, and rows in slot order): the rows' tokens are
     # the pass's tokens [a, b) in order (``span``; else None) and each slot of the window is
-    # one row with one new token, in order (``dense``). With ``span`` the rows' queries,
-    # keys and values are slices of the pass's, not gathered; with ``dense`` the queries
-    # are not scattered into a zero-filled padded batch nor the outputs gathered back out
-    # of it. The same floats, fewer operators (on a GPU, kernel launches).
+    # one row of ``width`` new tokens, in order (``uniform``): the padded batch has no
+    # padding, and is the pass's queries in another order (services/uniform_pass.py runs
+    # such a pass's layers as one operator). With ``span`` the rows' queries, keys and
+    # values are slices of the pass's, not gathered; with ``dense`` the queries are not
+    # scattered into a zero-filled padded batch nor the outputs gathered back out of it.
+    # The same floats, fewer operators (on a GPU, kernel launches).
     span: slice | None = None
-    dense: bool = False
-    # Each slot of the window is one row of ``width`` new tokens, in order (``dense`` with
-    # one): the padded batch has no padding, and is the pass's queries in another order
-    # (services/uniform_pass.py runs such a pass's layers as one operator).
     uniform: bool = False
+
+    @property
+    def dense(self) -> bool:
+        """Slot i of the window is query i: ``uniform`` with one new token a row."""
+        return self.uniform and self.width == 1
 
     @property
     def where(self) -> slice | torch.Tensor:
@@ -156,7 +159,6 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
             rel=slot_t - lo, j=staged[3 * P:4 * P], lo=lo, n=n, width=width, keys=keys,
             last=last, mask=mask, since=since, cols=None if columns is None else staged[-P:],
             span=slice(tok[0], tok[-1] + 1) if consecutive else None,
-            dense=width == 1 and slot == list(range(lo, lo + n)),
             uniform=slot == [s for s in range(lo, lo + n) for _ in range(width)]))
     return plans
 

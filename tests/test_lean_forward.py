@@ -223,7 +223,7 @@ def test_pooled_passes_shortcuts_give_the_general_paths_floats(tiny_pair, monkey
 
     def general(*args, **kwargs):  # the plans without their shortcuts; True = may attend
         return [dataclasses.replace(p, mask=None if p.mask is None else p.mask == 0,
-                                    span=None, dense=False)
+                                    span=None, uniform=False)
                 for p in made(*args, **kwargs)]
 
     monkeypatch.setattr(ragged_attention, "plan", general)
