@@ -129,14 +129,15 @@ struct Kernel {
   int rows;        // the most rows a tile takes
   int64_t width;   // outputs a tile covers
   Tile tiles[9];   // tiles[r] for r = 1..rows
-  // batches of one or two rows: [one row over 64 outputs, over 32; two rows over 32]
+  // batches of one or two rows, where set (else tiles[1], tiles[2] over ``width``):
+  // [one row over 64 outputs, over 32; two rows over 32]
   Tile few[3];
 };
 
 template <bool BF16> Kernel avx512_kernel() {
   return {8, 32, {nullptr, tile512<BF16, 1>, tile512<BF16, 2>, tile512<BF16, 3>, tile512<BF16, 4>,
                   tile512<BF16, 5>, tile512<BF16, 6>, tile512<BF16, 7>, tile512<BF16, 8>},
-          {tile512<BF16, 1, 4>, tile512<BF16, 1, 2>, tile512<BF16, 2, 2>}};
+          {tile512<BF16, 1, 4>, nullptr, nullptr}};  // (tiles[1], tiles[2] are 32 wide)
 }
 
 template <bool BF16> Kernel avx2_kernel() {
