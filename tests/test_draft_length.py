@@ -124,14 +124,15 @@ def _population(alpha: float, plain_ms: float, spec_ms: float, seconds: float = 
     drafts; beside one that does, one token (a Verify step with drafts asks each of its
     calls for one: gateway/replicas.py ``fit_verify_step``)."""
     now = [0.0]
-    calls = [0]
+    dips = random.Random(12)
     alone = [alone_ms is not None]
 
     def inflight() -> int:  # one call in ten sees a request that ended before the next began
-        calls[0] += 1
         if alone[0]:
             return 1
-        return streams - 1 if calls[0] % 10 == 0 else streams
+        # (drawn, not every tenth call: how many calls a round makes would decide which
+        # of them see the dip, and a change in that count moved every dip into ``choose``)
+        return streams - 1 if dips.random() < 0.1 else streams
 
     dl = _draft_length(inflight, clock=lambda: now[0], **(config or {}))
     if dl_out is not None:
@@ -479,3 +480,5 @@ def test_under_load_no_round_is_said_to_draft_next():
     lone = _draft_length(lambda: 1)
     lone.choose(req, "model", plain=8)  # a lone request's adaptive k, measuring plain first
     assert req.rounds.adaptive is not None and not lone.drafts_next(req)
+
+
