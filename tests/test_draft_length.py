@@ -480,5 +480,3 @@ def test_under_load_no_round_is_said_to_draft_next():
     lone = _draft_length(lambda: 1)
     lone.choose(req, "model", plain=8)  # a lone request's adaptive k, measuring plain first
     assert req.rounds.adaptive is not None and not lone.drafts_next(req)
-
-
