@@ -242,6 +242,39 @@ def test_lone_requests_go_on_with_the_probe_schedule_where_the_last_one_left_it(
     assert sum(1 for k in ks[-128:] if k) >= 100, ks[-128:]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 3, 5])
+def test_a_slow_plain_round_now_and_then_does_not_start_drafting_streaks(seed):
+    """Seen at one stream on a Zen 4 EPYC: a plain round's cycle is heavy-tailed (a median
+    2.1-2.3 ms a token, p90 3.3-3.7, max 9.5-14.5), and drafting 3 tokens cost ~12.4 ms a
+    round against 2.48 ms a token without: it never paid, not even at α = 0.99 (4 tokens in
+    12.4 ms). One slow plain round, weighed at up to a half after drafting rounds, set the
+    plain estimate at 3.31 ms a token, and the next request drafted 28 of its 30 rounds at
+    α 0.91-0.99. Here 5% of the rounds take three times as long: the estimate takes in the
+    median of the last three cycles at each k, so a lone slow one moves nothing, and the
+    requests draft in their probes only (39 rounds of 640 without any slow round)."""
+    def drafting_rounds(window: int) -> int:
+        rng = random.Random(seed)
+
+        def cycle(k: int) -> float:
+            return (3.0 if rng.random() < 0.05 else 1.0) * (12.4 if k else 2.48)
+
+        model = costs(draft=1.0, base=2.0, per_draft=1.0, rtt=0.5)
+        model.window = window
+        for _ in range(10):
+            model.observe_cycle(0, 2.48)
+            model.observe_cycle(3, 12.4)
+        drafting = 0
+        for i in range(40):  # requests one after another, 16 rounds each
+            ctl = AdaptiveK(model, k_max=3, only=3, prior_alpha=0.95)
+            ks = _simulate(ctl, model, 0.95, cycle, 16, random.Random(100 + i),
+                           catch_up=True, plain=8)
+            drafting += sum(1 for k in ks if k)
+        return drafting
+
+    assert drafting_rounds(3) <= 58  # the probes' 39, and at most half as many again
+    assert drafting_rounds(1) >= 100  # each cycle taken in as it comes: streaks
+
+
 def test_probes_count_the_tokens_of_plain_rounds():
     """Seen at one stream with plain rounds of 8 tokens (--plain-tokens): two rejected drafts
     at a request's start put its α at 0.56, k = 0 won by a hair (7.5 ms a token against 2.05
