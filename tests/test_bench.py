@@ -190,10 +190,15 @@ def test_process_cpu_counts_a_process_and_its_descendants():
              f"g = subprocess.Popen([sys.executable, '-c', {grandchild!r}])\n"
              + SPIN.format(s=0.6) + "g.wait()\nimport time\ntime.sleep(30)\n")
     proc = subprocess.Popen([sys.executable, "-c", child])
-    idle = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(30)"])
+    idle = subprocess.Popen(
+        [sys.executable, "-c", "import time\nprint('asleep', flush=True)\ntime.sleep(30)"],
+        stdout=subprocess.PIPE, text=True)
     try:
+        # (the sleeper's interpreter start-up is counted before: on a slow 2-core VM, beside
+        # the spinner's, it took 0.07 s of CPU after the first reading)
+        assert idle.stdout.readline() == "asleep\n"
         cpu = ProcessCpu([proc.pid, idle.pid], ["spinner", "sleeper"])
-        before = cpu.by_name()  # the interpreters' start-up is counted before, mostly
+        before = cpu.by_name()  # the spinner's start-up is counted before, mostly
         time.sleep(3.0)  # two spins of 0.6 s on two cores, or one after the other on one
         after = cpu.by_name()
         used = after["spinner"] - before["spinner"]
@@ -209,6 +214,7 @@ def test_process_cpu_counts_a_process_and_its_descendants():
                 c.kill()
             p.kill()
             p.wait()
+        idle.stdout.close()
     assert ProcessCpu([proc.pid]).by_name() == {str(proc.pid): 0.0}  # gone: nothing counted
 
 
