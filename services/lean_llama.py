@@ -41,59 +41,25 @@ from services import cpu_kernels, half_linear, ragged_attention, rotary
 from services.config import FORWARD_MODES
 from services.cuda_graphs import DecodeGraphs
 from services.kv_slab import POOL_SEGMENT, KVPool, SlabCache, free_memory, pool_slots
+from services.lean_layers import (
+    LeanLayer,
+    attend,
+    causal_mask,
+    group_mask,
+    lean_layers,
+    unsupported_reason,
+)
 from services.linear_layers import Linear, half_copies, packing_unavailable
 from services.uniform_pass import UniformPass, slot_order
 
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
 POOL_PAD = 512  # padded positions the longest row may add to the others' before it goes alone
-def unsupported_reason(model) -> str:
-    """Why ``model`` cannot use the lean forward ("" when it can)."""
-    c = model.config
-    if getattr(c, "model_type", "") != "llama":
-        return f"model type {getattr(c, 'model_type', '?')!r} is not llama"
-    if getattr(c, "hidden_act", "silu") != "silu":
-        return f"activation {c.hidden_act!r} is not silu"
-    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        return "projections with biases"
-    if (getattr(c, "pretraining_tp", 1) or 1) != 1:
-        return "pretraining_tp > 1"
-    if not hasattr(getattr(model, "model", None), "rotary_emb"):
-        return "no rotary embedding module"
-    return ""
-
-
-@dataclass(frozen=True)
-class _Layer:
-    ln1: torch.Tensor
-    qkv: Linear  # [(H + 2 KV) D, h]
-    o: Linear
-    ln2: torch.Tensor
-    gate_up: Linear  # [2 I, h]
-    down: Linear
-
-    @property
-    def halves(self) -> bool:
-        """Whether the output projection and the MLP's have 16-bit copies (``mlp_tail``)."""
-        return self.o.half is not None and self.gate_up.half is not None \
-            and self.down.half is not None
 
 
 @dataclass
 class LeanOutput:
     logits: torch.Tensor  # [B, keep, V]
-
-
-def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
-    """One weight for several projections of the same input; each module's weight becomes a
-    view into it, so memory and the state dict stay as they were."""
-    fused = torch.cat([lin.weight.data for lin in linears])
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
-        start += rows
-    return fused
 
 
 class LeanLlama(torch.nn.Module):
@@ -129,15 +95,7 @@ class LeanLlama(torch.nn.Module):
             return Linear(weight, self.packed,
                           None if why_not else half_linear.exact_dtype(weight))
 
-        self.layers = []
-        for layer in model.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                ln1=layer.input_layernorm.weight,
-                qkv=linear(_fuse(a.q_proj, a.k_proj, a.v_proj)),
-                o=linear(a.o_proj.weight), ln2=layer.post_attention_layernorm.weight,
-                gate_up=linear(_fuse(mlp.gate_proj, mlp.up_proj)),
-                down=linear(mlp.down_proj.weight)))
+        self.layers = lean_layers(model, linear)
         self._lm_head = linear(model.lm_head.weight)
         linears = [self._lm_head] + [lin for layer in self.layers for lin in
                                      (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -184,30 +142,6 @@ class LeanLlama(torch.nn.Module):
         # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
         self.graphs = None if not (graphs and self.pool) else DecodeGraphs(
             self, capture=weight.device.type == "cuda", row_max=POOL_ROW_MAX)
-
-    @staticmethod
-    def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """Attention with grouped queries: q [B, H, m, D] over keys/values [B, KV, L, D];
-        ``mask`` [.., G m, L] (G = H / KV query heads per key head, each head's m rows in
-        turn, as ``_group_mask`` makes it) or None. Returns [B, H, m, D]. The G query heads
-        that share a key head go to SDPA as G m query rows of that one head: one query over
-        an 800-token cache, cycling through 48 caches as a pass does, took 89 us a call this
-        way against 147 us with SDPA's own grouped-query path (``enable_gqa``); a pass over 8
-        sessions of 800 tokens, 6% less (docs/performance.md)."""
-        B, H, m, D = q.shape
-        KV = keys.shape[1]
-        grouped = q.reshape(B, KV, (H // KV) * m, D)  # [B, KV, G m, D]
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-        return out.reshape(B, H, m, D)
-
-    def _group_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """A mask over m query rows [.., m, L] for ``_attend``: repeated for the G query heads
-        of each key head [.., G m, L]."""
-        group = self._heads // self._kv_heads
-        if mask is None or group == 1:
-            return mask
-        return mask.repeat(*([1] * (mask.dim() - 2)), group, 1)
 
     def new_cache(self) -> SlabCache:
         """An empty KV cache for this model, written in place (services/kv_slab.py): a slot
@@ -263,12 +197,12 @@ class LeanLlama(torch.nn.Module):
         qk = rotary.rope(qkv[..., :(H + KV) * D].view(*lead, H + KV, D), cos, signed_sin)
         return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + KV) * D:].view(*lead, KV, D)
 
-    def qkv(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, signed_sin: torch.Tensor
+    def qkv(self, x: torch.Tensor, w: LeanLayer, cos: torch.Tensor, signed_sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer's queries [..., H, D] and keys and values [..., KV, D] of x [..., h]."""
         return self._split_heads(w.qkv(self._rms(x, w.ln1)), cos, signed_sin)
 
-    def finish_layer(self, x: torch.Tensor, attn: torch.Tensor, w: _Layer) -> torch.Tensor:
+    def finish_layer(self, x: torch.Tensor, attn: torch.Tensor, w: LeanLayer) -> torch.Tensor:
         """The layer's output projection of its attention [..., H D] added to x [..., h], and
         its MLP: the next layer's input [..., h]. Where the three projections read their
         16-bit copies and the norm is the project's kernel, the same operators run as one
@@ -281,7 +215,7 @@ class LeanLlama(torch.nn.Module):
         gate, up = w.gate_up(self._rms(x, w.ln2)).split([self._inter, self._inter], dim=-1)
         return x + w.down(F.silu(gate) * up)
 
-    def _stored_qkv(self, x: torch.Tensor, w: _Layer, cos: torch.Tensor, sin: torch.Tensor,
+    def _stored_qkv(self, x: torch.Tensor, w: LeanLayer, cos: torch.Tensor, sin: torch.Tensor,
                     buffers: tuple[torch.Tensor, torch.Tensor], p) -> torch.Tensor:
         """A fused pass's layer start for x [T, h]: its queries [T, H, D] rotated, its keys
         and values written into ``p``'s slots of the segment's ``buffers``
@@ -308,21 +242,6 @@ class LeanLlama(torch.nn.Module):
         """The final norm and the LM head: logits [..., V] of x [..., h]."""
         return self._lm_head(self._rms(x, self.hf.model.norm.weight))
 
-    @staticmethod
-    def _mask(m: int, past: int, attention_mask, device) -> torch.Tensor | None:
-        """[B, 1, m, past+m] bool (True = may attend), or None for one query and no padding;
-        a 4-D mask is the caller's own (the drafter's tree)."""
-        if attention_mask is not None and attention_mask.dim() == 4:
-            return attention_mask.to(device)  # as SDPA takes it: bool, or added to the scores
-        if attention_mask is None and m == 1:
-            return None
-        keys = past + m
-        causal = torch.ones(m, keys, dtype=torch.bool, device=device).tril(diagonal=past)
-        if attention_mask is None:
-            return causal[None, None]
-        return causal[None, None] & attention_mask.to(device=device, dtype=torch.bool)[:, None,
-                                                                                      None, -keys:]
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 past_key_values=None, attention_mask: torch.Tensor | None = None,
@@ -338,12 +257,13 @@ class LeanLlama(torch.nn.Module):
         H, D = self._heads, self._head_dim
         x = self.hf.model.embed_tokens(input_ids)  # [B, m, h]
         cos, sin = self.rope(x, position_ids, top)  # [B, m, 1, D]
-        mask = self._group_mask(self._mask(m, past, attention_mask, x.device))
+        mask = group_mask(causal_mask(m, past, attention_mask, x.device),
+                          H // self._kv_heads)
         for i, w in enumerate(self.layers):
             q, k, v = (t.transpose(1, 2) for t in self.qkv(x, w, cos, sin))
             # q [B, H, m, D], k and v [B, KV, m, D]
             k, v = past_key_values.update(k, v, i)  # [B, KV, past+m, D]
-            attn = self._attend(q, k, v, mask)  # [B, H, m, D]
+            attn = attend(q, k, v, mask)  # [B, H, m, D]
             x = self.finish_layer(x, attn.transpose(1, 2).reshape(B, m, H * D), w)
         keep = m if not logits_to_keep else min(logits_to_keep, m)
         return LeanOutput(logits=self.head(x[:, -keep:]))  # [B, keep, V]
@@ -406,9 +326,8 @@ class LeanLlama(torch.nn.Module):
         grouped = {b for idx, _ in groups for b in idx}
         pooled = set(self._pooled(rows))  # rows attended in their pool slots
         masks = {b: None if sizes[b] == 1 else  # one query sees every key: no mask needed
-                 self._group_mask(torch.ones(sizes[b], rows[b].start + sizes[b],
-                                             dtype=torch.bool, device=dev
-                                             ).tril(diagonal=rows[b].start))
+                 group_mask(torch.ones(sizes[b], rows[b].start + sizes[b], dtype=torch.bool,
+                                       device=dev).tril(diagonal=rows[b].start), H // KV)
                  for b in range(len(rows)) if b not in pooled}  # [G m_b, L_b + m_b]
 
         def rest_mask(b: int, p: int) -> torch.Tensor | None:  # additive [G m_b, L_b + m_b - P]
@@ -461,7 +380,7 @@ class LeanLlama(torch.nn.Module):
                 r, s, e = rows[b], starts[b], ends[b]
                 keys, values = r.kv.update(k[None, :, s:e], v[None, :, s:e], i)  # [1, KV, L+m, D]
                 if b not in grouped:
-                    attn[:, s:e] = self._attend(q[None, :, s:e], keys, values, masks[b])[0]
+                    attn[:, s:e] = attend(q[None, :, s:e], keys, values, masks[b])[0]
             for c in cascades:  # one call over each shared prefix, its rows' rests apart
                 attn[:, c.tok] = ragged_attention.cascade(c, i, rows, starts, self.pool, q, k, v)
             x = self.finish_layer(x, attn.transpose(0, 1).reshape(1, T, H * D), w)
