@@ -50,7 +50,7 @@ from services.lean_layers import (
     unsupported_reason,
 )
 from services.linear_layers import Linear, half_copies, packing_unavailable
-from services.uniform_pass import UniformPass, slot_order
+from services.uniform_pass import UniformPass, parts_in_order, slot_order
 
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
@@ -276,7 +276,7 @@ class LeanLlama(torch.nn.Module):
         in slot order make a pass whose slots line up uniform, where the order in which calls
         joined the batch would leave most passes of several sessions out."""
         order = None
-        if self._uniform(sum(len(r.tokens) for r in rows)) is not None:
+        if self._uniform(len(rows[0].tokens)) is not None:  # (a part of it could be)
             order = slot_order(rows)
         if order is None:
             return self._ragged(rows, shared)
@@ -349,12 +349,21 @@ class LeanLlama(torch.nn.Module):
                                and len(cascades[0].pooled) == 1
                                and cascades[0].pooled[0].span == slice(0, T)) else None
         fused = self.kernel_rope and (whole and not cascades or solo is not None)
-        if fused:
+        # or each pool segment's rows make a uniform pass of their own, one after the other
+        # (more sessions than a segment's slots): rows do not mix, so each part runs apart
+        parts = (self.kernel_rope and not cascades and len(plans) > 1
+                 and parts_in_order(plans, T)
+                 and all(self._uniform(p.span.stop - p.span.start) for p in plans))
+        if fused or parts:
             cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
         one_op = self._uniform(T) if fused and solo is None and plans[0].uniform else None
         if one_op is not None:  # every layer in one operator
             x = one_op.run(x, plans[0], self.pool.segments[plans[0].segment], cos_t, sin_t)
-        for i, w in enumerate(self.layers if one_op is None else ()):
+        elif parts:  # every layer in one operator per segment
+            x = torch.cat([self.uniform_pass.run(x[:, p.span], p, self.pool.segments[p.segment],
+                                                 cos_t[p.span], sin_t[p.span]) for p in plans],
+                          dim=1)
+        for i, w in enumerate(self.layers if one_op is None and not parts else ()):
             if fused:  # rotate, split and write the keys and values in one operator
                 p = plans[0] if solo is None else solo.pooled[0]
                 buffers = self.pool.segments[p.segment][i]

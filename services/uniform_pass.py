@@ -9,7 +9,9 @@ Such a pass runs all of its layers in ``specmesh_cpu::dense_layers``
 here, and ``mlp_tail``) from C++: the same floats, without the interpreter, the views and
 the dispatch of three operators between them (~20 us a layer on one row). A one-session
 decode pass of the demo target ran ~12% shorter with it, a 4-token verify ~19%
-(docs/performance.md, 2026-11-28).
+(docs/performance.md, 2026-11-28). A pass over more sessions than a pool segment's slots
+(16) runs one such operator per segment, each over its own rows (``parts_in_order``): rows do
+not mix within a layer, so the parts give the pass's floats, the weights read once a part.
 
 Calls join a replica's running batch in the order they arrive, which after the first wave of
 requests is not their slots' order: ``slot_order`` says how to take a pass's rows so that
@@ -62,3 +64,18 @@ def slot_order(rows: Sequence) -> list[int] | None:
         return None
     order = sorted(range(len(rows)), key=slots.__getitem__)
     return None if order == list(range(len(rows))) else order
+
+
+def parts_in_order(plans: Sequence, tokens: int) -> bool:
+    """Whether the pooled rows of ``plans`` (services/ragged_attention.py ``PooledRows``, one
+    per pool segment) are each uniform and hold the pass's ``tokens`` tokens in order, one
+    plan's after the other's: each plan's part then runs as a uniform pass of its own. At 32
+    streams a pass's sessions fill two segments of 16 slots, and such a pass ran the layer
+    loop: 2.2-2.9x a 16-session pass's time in process, and in the mesh 32 streams served
+    less than 16 (docs/performance.md, 2026-11-28)."""
+    at = 0
+    for p in plans:
+        if not p.uniform or p.span is None or p.span.start != at:
+            return False
+        at = p.span.stop
+    return at == tokens

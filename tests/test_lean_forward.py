@@ -577,9 +577,11 @@ def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(
 
 
 @pytest.mark.parametrize("rows, new, mixed", [(1, 1, False), (5, 1, False), (1, 4, False),
-                                              (3, 4, False), (5, 1, True), (3, 4, True)],
+                                              (3, 4, False), (5, 1, True), (3, 4, True),
+                                              (20, 1, False), (20, 1, True)],
                          ids=["one-stream", "five-rows", "one-stream-verify", "three-verifies",
-                              "five-rows-out-of-slot-order", "three-verifies-out-of-order"])
+                              "five-rows-out-of-slot-order", "three-verifies-out-of-order",
+                              "two-segments", "two-segments-out-of-order"])
 def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(rows, new,
                                                                                mixed):
     """A pass whose rows hold as many new tokens each in slots that line up (every decode
@@ -587,10 +589,13 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
     the same operators called from C++, so the demo target's logits over three steps are the
     very floats of the layer-by-layer path and the caches hold the same keys and values. Rows
     that come in another order than their slots' (the order calls joined the batch) run in
-    slot order and get their own logits back."""
+    slot order and get their own logits back. Rows in more than one pool segment (more
+    sessions than a segment's 16 slots) run one such operator per segment."""
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
     own = lean._uniform
+    segments = -(-rows // lean.pool.segment)
+    assert segments == (2 if rows == 20 else 1)
 
     def sessions():
         return _fed(lean, [torch.randint(0, 8000, (30 + 17 * b,), generator=torch.Generator()
@@ -611,7 +616,7 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
                                                for b, (kv, s) in enumerate(caches)], "cpu",
                                         _no_batch_cache))
             ops = {e.key: e.count for e in prof.key_averages()}
-            assert ops.get("specmesh_cpu::dense_layers", 0) == (1 if one_op else 0)
+            assert ops.get("specmesh_cpu::dense_layers", 0) == (segments if one_op else 0)
             assert ops.get("specmesh_cpu::mlp_tail", 0) == (0 if one_op else len(lean.layers))
             for c in caches:
                 c[1] += new
