@@ -356,7 +356,7 @@ class LeanLlama(torch.nn.Module):
                  and all(self._uniform(p.span.stop - p.span.start) for p in plans))
         if fused or parts:
             cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
-        one_op = self._uniform(T) if fused and solo is None and plans[0].uniform else None
+        one_op = self._uniform(T) if fused and solo is None and plans[0].aligned else None
         if one_op is not None:  # every layer in one operator
             x = one_op.run(x, plans[0], self.pool.segments[plans[0].segment], cos_t, sin_t)
         elif parts:  # every layer in one operator per segment

@@ -91,6 +91,10 @@ class PooledRows:
     # The same floats, fewer operators (on a GPU, kernel launches).
     span: slice | None = None
     uniform: bool = False
+    # every row holds ``width`` new tokens and the rows come in their slots' order, with or
+    # without slots of the window between them that hold no row of the pass (sessions between
+    # rounds): what the one-operator pass takes (services/uniform_pass.py)
+    aligned: bool = False
 
     @property
     def dense(self) -> bool:
@@ -159,7 +163,9 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
             rel=slot_t - lo, j=staged[3 * P:4 * P], lo=lo, n=n, width=width, keys=keys,
             last=last, mask=mask, since=since, cols=None if columns is None else staged[-P:],
             span=slice(tok[0], tok[-1] + 1) if consecutive else None,
-            uniform=slot == [s for s in range(lo, lo + n) for _ in range(width)]))
+            uniform=slot == [s for s in range(lo, lo + n) for _ in range(width)],
+            aligned=min(sizes) == width and all(
+                a < b for a, b in zip(slots, slots[1:], strict=False))))
     return plans
 
 

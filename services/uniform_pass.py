@@ -51,7 +51,8 @@ class UniformPass:
         return torch.ops.specmesh_cpu.dense_layers(
             x[0], ln1, qkv, (H + 2 * KV) * D, o, ln2, gate_up, 2 * self._inter, down,
             [b[0] for b in segment], [b[1] for b in segment], cos, sin, H, KV, self._eps,
-            D ** -0.5, p.slot, p.pos, p.lo, p.width, p.since, p.keys, p.last)[None]
+            D ** -0.5, p.slot, p.pos, p.lo, p.width, p.since, p.keys, p.last,
+            p.rel if p.width == 1 else p.rel[::p.width].contiguous())[None]
 
 
 def slot_order(rows: Sequence) -> list[int] | None:
@@ -68,14 +69,14 @@ def slot_order(rows: Sequence) -> list[int] | None:
 
 def parts_in_order(plans: Sequence, tokens: int) -> bool:
     """Whether the pooled rows of ``plans`` (services/ragged_attention.py ``PooledRows``, one
-    per pool segment) are each uniform and hold the pass's ``tokens`` tokens in order, one
+    per pool segment) are each aligned and hold the pass's ``tokens`` tokens in order, one
     plan's after the other's: each plan's part then runs as a uniform pass of its own. At 32
     streams a pass's sessions fill two segments of 16 slots, and such a pass ran the layer
     loop: 2.2-2.9x a 16-session pass's time in process, and in the mesh 32 streams served
     less than 16 (docs/performance.md, 2026-11-28)."""
     at = 0
     for p in plans:
-        if not p.uniform or p.span is None or p.span.start != at:
+        if not p.aligned or p.span is None or p.span.start != at:
             return False
         at = p.span.stop
     return at == tokens

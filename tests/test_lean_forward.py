@@ -576,21 +576,25 @@ def test_a_layers_fused_operators_give_the_floats_of_the_operators_they_replace(
     _same_caches(fused, plain)
 
 
-@pytest.mark.parametrize("rows, new, mixed", [(1, 1, False), (5, 1, False), (1, 4, False),
-                                              (3, 4, False), (5, 1, True), (3, 4, True),
-                                              (20, 1, False), (20, 1, True)],
-                         ids=["one-stream", "five-rows", "one-stream-verify", "three-verifies",
-                              "five-rows-out-of-slot-order", "three-verifies-out-of-order",
-                              "two-segments", "two-segments-out-of-order"])
+@pytest.mark.parametrize("rows, new, mixed, gap", [
+    (1, 1, False, False), (5, 1, False, False), (1, 4, False, False), (3, 4, False, False),
+    (5, 1, True, False), (3, 4, True, False), (20, 1, False, False), (20, 1, True, False),
+    (5, 1, False, True), (4, 4, True, True), (20, 1, True, True)],
+    ids=["one-stream", "five-rows", "one-stream-verify", "three-verifies",
+         "five-rows-out-of-slot-order", "three-verifies-out-of-order", "two-segments",
+         "two-segments-out-of-order", "five-rows-and-a-gap", "verifies-and-a-gap",
+         "two-segments-and-gaps"])
 def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(rows, new,
-                                                                               mixed):
+                                                                               mixed, gap):
     """A pass whose rows hold as many new tokens each in slots that line up (every decode
     and verify pass of one stream) runs all of its layers in ``specmesh_cpu::dense_layers``:
     the same operators called from C++, so the demo target's logits over three steps are the
     very floats of the layer-by-layer path and the caches hold the same keys and values. Rows
     that come in another order than their slots' (the order calls joined the batch) run in
     slot order and get their own logits back. Rows in more than one pool segment (more
-    sessions than a segment's 16 slots) run one such operator per segment."""
+    sessions than a segment's 16 slots) run one such operator per segment. Sessions that
+    hold slots between the pass's rows but are not in it (``gap``: between their rounds)
+    keep their caches as they were."""
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
     own = lean._uniform
@@ -602,6 +606,12 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
                                          .manual_seed(b)).tolist() for b in range(rows)])
 
     dense, layered = sessions(), sessions()
+    idle = []
+    if gap:  # sessions between their rounds hold slots 1 and 17, inside the pass's windows
+        idle = [c for i, c in enumerate(dense + layered) if i % rows in (1, 17)]
+        dense = [c for i, c in enumerate(dense) if i not in (1, 17)]
+        layered = [c for i, c in enumerate(layered) if i not in (1, 17)]
+        before = [kv.layers[0].keys.clone() for kv, _ in idle]
     if mixed:  # e.g. slots 2, 0, 1: every row's place in the pass is not its slot's
         dense, layered = dense[2:] + dense[:2], layered[2:] + layered[:2]
         assert [kv.slot for kv, _ in dense] != sorted(kv.slot for kv, _ in dense)
@@ -623,3 +633,5 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
         for a, b in zip(*got, strict=True):
             assert torch.equal(a, b)
     _same_caches(dense, layered)
+    for (kv, _), keys in zip(idle, before if gap else [], strict=True):
+        assert torch.equal(kv.layers[0].keys, keys)

@@ -29,23 +29,26 @@ at::Tensor norm_qkv_store(const at::Tensor& x, const at::Tensor& ln1, double eps
                     std::move(keys), std::move(values), slot, pos);
 }
 
-// A pass's layers where its rows hold ``width`` new tokens each, row i in slot lo + i of the
-// segment (services/uniform_pass.py: every pass of one stream, decode or
+// A pass's layers where its rows hold ``width`` new tokens each, in slot order, row j in slot
+// lo + rows_at[j] of the segment (services/uniform_pass.py: every pass of one stream, decode or
 // verify), and every layer's weights have 16-bit copies. Per layer the very operators the
-// Python side runs: ``norm_qkv_store``, the pooled rows' ``pooled_attention`` over their slots
-// (positions since..keys_end - 1, query r of row i seeing those up to last[i][r % width]) on
-// the queries in its padded order (head g's width rows in turn; no padding here) and
-// ``mlp_tail``: the same floats, one call for the pass (the interpreter and the dispatch of
-// three operators and their views a layer, ~20 us on one row).
-// x [T, h] with T = n width; per layer i: ln1, qkv (qkv_n = (H + 2 KV) D outputs), o, ln2,
-// gate_up (gu_n outputs), down, and the segment's key and value buffers [S, KV, slot_len, D].
+// Python side runs: ``norm_qkv_store``, the pooled rows' ``pooled_attention`` over the window's
+// n slots (positions since..keys_end - 1, query r of slot i seeing those up to
+// last[i][r % width]) on the queries in its padded order (head g's width rows in turn; zeros for
+// a slot of the window without a row of the pass) and ``mlp_tail``: the same floats, one call
+// for the pass (the interpreter and the dispatch of three operators and their views a layer,
+// ~20 us on one row).
+// x [T, h] with T = rows width; per layer i: ln1, qkv (qkv_n = (H + 2 KV) D outputs), o, ln2,
+// gate_up (gu_n outputs), down, and the segment's key and value buffers [S, KV, slot_len, D];
+// last [n, width]; rows_at [rows] (n = rows: the window has no gaps, and it is not read).
 // Returns the last layer's output [T, h].
 at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int64_t qkv_n,
                         at::TensorList o, at::TensorList ln2, at::TensorList gate_up, int64_t gu_n,
                         at::TensorList down, at::TensorList keys, at::TensorList values,
                         const at::Tensor& cos, const at::Tensor& ssin, int64_t heads, int64_t kv_heads,
                         double eps, double scale, const at::Tensor& slot, const at::Tensor& pos, int64_t lo,
-                        int64_t width, int64_t since, int64_t keys_end, const at::Tensor& last) {
+                        int64_t width, int64_t since, int64_t keys_end, const at::Tensor& last,
+                        const at::Tensor& rows_at) {
   const size_t layers = ln1.size();
   for (const auto* list : {&qkv, &o, &ln2, &gate_up, &down, &keys, &values})
     TORCH_CHECK(list->size() == layers, "dense_layers: one weight and buffer of each kind a layer");
@@ -54,14 +57,23 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
   const int64_t T = x.size(0), D = qkv_n / (heads + 2 * kv_heads), G = heads / kv_heads;
   TORCH_CHECK(width > 0 && T % width == 0, "dense_layers: T must be a multiple of width");
   TORCH_CHECK(since >= 0 && since < keys_end, "dense_layers: since must be in 0..keys_end - 1");
-  const int64_t n = T / width;
+  // rows of the pass, and slots of the window lo..lo+n-1 (more where sessions between rounds
+  // hold slots inside it: their queries are zeros, and their outputs are not read)
+  const int64_t rows = T / width, n = last.size(0);
+  TORCH_CHECK(n >= rows && rows_at.numel() == rows,
+              "dense_layers: rows_at must hold each row's slot in the window of last's rows");
+  const bool gaps = n != rows;
   const auto span = [&](const at::Tensor& b) { return b.narrow(0, lo, n).narrow(2, since, keys_end - since); };
   for (size_t i = 0; i < layers; ++i) {
     const auto q = norm_qkv_store(x, ln1[i], eps, qkv[i], qkv_n, cos, ssin, heads, kv_heads, keys[i],
                                   values[i], slot, pos);  // [T, H, D]
-    const auto padded = q.view({n, width, heads, D}).transpose(1, 2).contiguous().view({n, kv_heads, G * width, D});
-    const auto out = std::get<0>(pooled_attention(padded, span(keys[i]), span(values[i]), last, since, scale));
-    const auto attn = out.view({n, heads, width, D}).transpose(1, 2).reshape({T, heads * D});
+    auto queries = q.view({rows, width, heads, D});
+    if (gaps) queries = at::zeros({n, width, heads, D}, q.options()).index_copy_(0, rows_at, queries);
+    const auto padded = queries.transpose(1, 2).contiguous().view({n, kv_heads, G * width, D});
+    auto out = std::get<0>(pooled_attention(padded, span(keys[i]), span(values[i]), last, since, scale))
+                   .view({n, heads, width, D});
+    if (gaps) out = out.index_select(0, rows_at);
+    const auto attn = out.transpose(1, 2).reshape({T, heads * D});
     x = mlp_tail(x, attn, o[i], ln2[i], eps, gate_up[i], gu_n, down[i]);
   }
   return x;
