@@ -28,6 +28,7 @@ unlucky round does not switch speculation off.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -84,7 +85,7 @@ class CostModel:
     probe_backoff: int = 0
     _clock: int = 0  # cycles observed, any k
     _seen: dict[int, int] = field(default_factory=dict)  # k -> _clock when last observed
-    _recent: dict[int, list[float]] = field(default_factory=dict)  # k -> its last cycles
+    _recent: dict[int, deque[float]] = field(default_factory=dict)  # k -> its last cycles
 
     def observe(self, k: int, draft_ms: float, verify_ms: float, draft_compute_ms: float,
                 verify_compute_ms: float) -> None:
@@ -113,9 +114,8 @@ class CostModel:
         estimate at 3.31 ms a token for the next request's 30 rounds, 28 of which drafted
         where drafting did not pay (docs/performance.md). A change that lasts counts from
         its second cycle."""
-        recent = self._recent.setdefault(k, [])
+        recent = self._recent.setdefault(k, deque(maxlen=self.window))
         recent.append(ms)
-        del recent[:-self.window]
         ms = sorted(recent)[(len(recent) - 1) // 2]
         self._clock += 1
         gap = self._clock - self._seen.get(k, self._clock - 1)

@@ -136,7 +136,7 @@ class LeanLlama(torch.nn.Module):
                                 and weight.dtype == torch.float32 and not cpu_kernels.kernel())
         # a layer's steps over its 16-bit copies as one operator each (``finish_layer``)
         self.kernel_layer = self.kernel_norm
-        # a pass of uniform rows runs its layers as one operator (``_uniform``)
+        # a pass of aligned rows runs its layers as one operator (``_uniform``)
         self.uniform_pass = UniformPass(self.layers, self._heads, self._kv_heads,
                                         self._head_dim, self._inter, self._eps)
         # decode and verify passes as CUDA graphs (on a CPU, their fixed shapes run eagerly)
@@ -229,14 +229,12 @@ class LeanLlama(torch.nn.Module):
         return torch.ops.specmesh_cpu.norm_qkv_store(x, w.ln1, self._eps, qkv, (H + 2 * KV) * D,
                                                      cos, sin, H, KV, *buffers, p.slot, p.pos)
 
-    def _uniform(self, tokens: int) -> UniformPass | None:
-        """The one-operator pass of uniform rows (services/uniform_pass.py), where a pass of
-        ``tokens`` tokens can take it: the layers' fused operators are on, the projections
-        read their 16-bit copies over that many rows, and every one has a copy."""
-        if (not self.kernel_layer or tokens > half_linear.ROWS_MAX
-                or self.uniform_pass.weights is None):
-            return None
-        return self.uniform_pass
+    def _uniform(self, tokens: int) -> bool:
+        """Whether aligned rows of ``tokens`` tokens can run as one operator
+        (services/uniform_pass.py): the layers' fused operators are on, the projections read
+        their 16-bit copies over that many rows, and every one has a copy."""
+        return (self.kernel_layer and tokens <= half_linear.ROWS_MAX
+                and self.uniform_pass.weights is not None)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., V] of x [..., h]."""
@@ -273,10 +271,10 @@ class LeanLlama(torch.nn.Module):
                        ) -> list[torch.Tensor]:
         """``_ragged`` over the rows in their slots' order where the pass can run its layers
         as one operator (``_uniform``), its logits given back in the rows' own order: rows
-        in slot order make a pass whose slots line up uniform, where the order in which calls
-        joined the batch would leave most passes of several sessions out."""
+        in slot order make a pass aligned, where the order in which calls joined the batch
+        would leave most passes of several sessions out."""
         order = None
-        if self._uniform(len(rows[0].tokens)) is not None:  # (a part of it could be)
+        if self._uniform(len(rows[0].tokens)):  # (a part of it could be)
             order = slot_order(rows)
         if order is None:
             return self._ragged(rows, shared)
@@ -349,21 +347,18 @@ class LeanLlama(torch.nn.Module):
                                and len(cascades[0].pooled) == 1
                                and cascades[0].pooled[0].span == slice(0, T)) else None
         fused = self.kernel_rope and (whole and not cascades or solo is not None)
-        # or each pool segment's rows make a uniform pass of their own, one after the other
-        # (more sessions than a segment's slots): rows do not mix, so each part runs apart
-        parts = (self.kernel_rope and not cascades and len(plans) > 1
-                 and parts_in_order(plans, T)
-                 and all(self._uniform(p.span.stop - p.span.start) for p in plans))
-        if fused or parts:
+        # every segment's rows aligned, the pass's tokens one segment's after the other's
+        # (one segment: every decode and verify pass of one stream): each segment's part runs
+        # all of its layers as one operator (rows do not mix within a layer)
+        one_op = (self.kernel_rope and not cascades and parts_in_order(plans, T)
+                  and all(self._uniform(p.span.stop - p.span.start) for p in plans))
+        if fused or one_op:
             cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
-        one_op = self._uniform(T) if fused and solo is None and plans[0].aligned else None
-        if one_op is not None:  # every layer in one operator
-            x = one_op.run(x, plans[0], self.pool.segments[plans[0].segment], cos_t, sin_t)
-        elif parts:  # every layer in one operator per segment
-            x = torch.cat([self.uniform_pass.run(x[:, p.span], p, self.pool.segments[p.segment],
-                                                 cos_t[p.span], sin_t[p.span]) for p in plans],
-                          dim=1)
-        for i, w in enumerate(self.layers if one_op is None and not parts else ()):
+        if one_op:
+            parts = [self.uniform_pass.run(x[:, p.span], p, self.pool.segments[p.segment],
+                                           cos_t[p.span], sin_t[p.span]) for p in plans]
+            x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        for i, w in enumerate(self.layers if not one_op else ()):
             if fused:  # rotate, split and write the keys and values in one operator
                 p = plans[0] if solo is None else solo.pooled[0]
                 buffers = self.pool.segments[p.segment][i]

@@ -82,19 +82,21 @@ class PooledRows:
     since: int = 0  # keys before this position are not read (a cascade's shared prefix)
     cols: torch.Tensor | None = None  # [P] with since > 0: each token's column in its group
     # The common decode pass (one stream's, and rows in slot order): the rows' tokens are
-    # the pass's tokens [a, b) in order (``span``; else None) and each slot of the window is
-    # one row of ``width`` new tokens, in order (``uniform``): the padded batch has no
-    # padding, and is the pass's queries in another order (services/uniform_pass.py runs
-    # such a pass's layers as one operator). With ``span`` the rows' queries, keys and
-    # values are slices of the pass's, not gathered; with ``dense`` the queries are not
-    # scattered into a zero-filled padded batch nor the outputs gathered back out of it.
+    # the pass's tokens [a, b) in order (``span``; else None), and every row holds ``width``
+    # new tokens, the rows in their slots' order (``aligned``), with or without slots of the
+    # window between them that hold no row of the pass (sessions between rounds): what the
+    # one-operator pass takes (services/uniform_pass.py). With ``span`` the rows' queries,
+    # keys and values are slices of the pass's, not gathered; with ``dense`` the queries are
+    # not scattered into a zero-filled padded batch nor the outputs gathered back out of it.
     # The same floats, fewer operators (on a GPU, kernel launches).
     span: slice | None = None
-    uniform: bool = False
-    # every row holds ``width`` new tokens and the rows come in their slots' order, with or
-    # without slots of the window between them that hold no row of the pass (sessions between
-    # rounds): what the one-operator pass takes (services/uniform_pass.py)
     aligned: bool = False
+
+    @property
+    def uniform(self) -> bool:
+        """Each slot of the window is one row, in order: ``aligned`` without gaps (the padded
+        batch has no padding, and is the pass's queries in another order)."""
+        return self.aligned and self.n == len(self.rows)
 
     @property
     def dense(self) -> bool:
@@ -163,7 +165,6 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
             rel=slot_t - lo, j=staged[3 * P:4 * P], lo=lo, n=n, width=width, keys=keys,
             last=last, mask=mask, since=since, cols=None if columns is None else staged[-P:],
             span=slice(tok[0], tok[-1] + 1) if consecutive else None,
-            uniform=slot == [s for s in range(lo, lo + n) for _ in range(width)],
             aligned=min(sizes) == width and all(
                 a < b for a, b in zip(slots, slots[1:], strict=False))))
     return plans

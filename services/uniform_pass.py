@@ -1,12 +1,13 @@
-"""A pass of uniform rows as one operator: the lean forward's layers (services/lean_llama.py)
-where every row of a pass holds as many new tokens, in slots of one pool segment that line up
-(``PooledRows.uniform``, services/ragged_attention.py: every decode and verify pass of one
-stream, and several sessions' in slot order).
+"""A pass of aligned rows as one operator: the lean forward's layers (services/lean_llama.py)
+where every row of a pass holds as many new tokens, in its slots' order in one pool segment
+(``PooledRows.aligned``, services/ragged_attention.py: every decode and verify pass of one
+stream, and several sessions' in slot order; slots between them held by sessions between
+their rounds get zero queries whose outputs are not read).
 
 Such a pass runs all of its layers in ``specmesh_cpu::dense_layers``
 (services/csrc/layer_parts.h), which calls per layer the very operators the layer loop runs
-(``norm_qkv_store``, the pooled attention kernel over the padded batch, which has no padding
-here, and ``mlp_tail``) from C++: the same floats, without the interpreter, the views and
+(``norm_qkv_store``, the pooled attention kernel over the padded batch, padded only where
+the window has gaps, and ``mlp_tail``) from C++: the same floats, without the interpreter, the views and
 the dispatch of three operators between them (~20 us a layer on one row). A one-session
 decode pass of the demo target ran ~12% shorter with it, a 4-token verify ~19%
 (docs/performance.md, 2026-11-28). A pass over more sessions than a pool segment's slots
@@ -43,7 +44,7 @@ class UniformPass:
     def run(self, x: torch.Tensor, p, segment: Sequence[tuple[torch.Tensor, torch.Tensor]],
             cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Every layer over x [1, T, h] for the rows of ``p`` (their one pooled plan, whose
-        rows are ``uniform``), their keys and values written into the segment's buffers
+        rows are ``aligned``), their keys and values written into the segment's buffers
         (``segment``: per layer keys, values [S, KV, slot_len, D]); cos, sin [T, D]. Returns
         the last layer's output [1, T, h]."""
         H, KV, D = self._heads, self._kv_heads, self._head_dim

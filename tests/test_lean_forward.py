@@ -223,7 +223,7 @@ def test_pooled_passes_shortcuts_give_the_general_paths_floats(tiny_pair, monkey
 
     def general(*args, **kwargs):  # the plans without their shortcuts; True = may attend
         return [dataclasses.replace(p, mask=None if p.mask is None else p.mask == 0,
-                                    span=None, uniform=False)
+                                    span=None, aligned=False)
                 for p in made(*args, **kwargs)]
 
     monkeypatch.setattr(ragged_attention, "plan", general)
@@ -469,7 +469,7 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
     assert lean.kernel_rope and lean.kernel_attention
     # layer by layer, where the calls are counted (a dense pass's one operator for all of
     # them: test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats)
-    lean._uniform = lambda tokens: None
+    lean._uniform = lambda tokens: False
     if shared and not lean.kernel_prefix:
         pytest.skip("prefix_attention needs AVX-512 or AVX2; this CPU has neither")
     written = []  # per attend call: were the keys written before it (the fused path)?
@@ -618,7 +618,7 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
     for step in range(3):
         got = []
         for caches, one_op in ((dense, True), (layered, False)):
-            lean._uniform = own if one_op else lambda tokens: None
+            lean._uniform = own if one_op else lambda tokens: False
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 got.append(forward_rows(lean, [Row(tokens=list(range(9 + step + b, 9 + step + b
                                                                       + new)),
