@@ -635,3 +635,56 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
     _same_caches(dense, layered)
     for (kv, _), keys in zip(idle, before if gap else [], strict=True):
         assert torch.equal(kv.layers[0].keys, keys)
+
+
+@pytest.mark.parametrize("rows, new, gap", [(16, 1, False), (20, 1, True), (5, 4, False),
+                                            (4, 4, True)],
+                         ids=["a-segment", "two-segments-and-gaps", "five-verifies",
+                              "verifies-and-a-gap"])
+def test_a_uniform_pass_on_two_threads_runs_groups_of_rows_with_the_same_floats(rows, new,
+                                                                                 gap):
+    """On more than one torch thread, ``dense_layers`` hands out groups of rows (8 tokens a
+    group), each running all of its layers, instead of running each operator of a layer on
+    every thread: the threads meet once a pass, not at every operator. Rows do not mix within
+    a layer and every output is summed in one order whatever the rows beside it, so the
+    logits over three steps and the caches are the one-thread pass's floats. The profiler
+    counts each group's operators (its layers' residual adds): one run per group, where a
+    run over all rows would count one set."""
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+    lean = LeanLlama(model, pack=True, half=True)
+
+    def sessions():
+        return _fed(lean, [torch.randint(0, 8000, (25 + 13 * b,), generator=torch.Generator()
+                                         .manual_seed(b)).tolist() for b in range(rows)])
+
+    grouped, alone = sessions(), sessions()
+    if gap:  # a session between its rounds holds slot 1 of each window
+        grouped = [c for i, c in enumerate(grouped) if i != 1]
+        alone = [c for i, c in enumerate(alone) if i != 1]
+    # groups of each segment's rows (16 slots a segment; 8 tokens a group: 8 // new rows)
+    per_segment = [n for n in (sum(1 for kv, _ in grouped if kv.slot // lean.pool.segment == s)
+                               for s in range(2)) if n]
+    groups = sum(-(-n // (8 // new)) for n in per_segment)
+    threads = torch.get_num_threads()
+    try:
+        for step in range(3):
+            got = []
+            for caches, count in ((grouped, 2), (alone, 1)):
+                torch.set_num_threads(count)
+                with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                    got.append(forward_rows(lean, [Row(tokens=list(range(7 + step + b,
+                                                                         7 + step + b + new)),
+                                                       kv=kv, start=s, keep=new)
+                                                   for b, (kv, s) in enumerate(caches)],
+                                            "cpu", _no_batch_cache))
+                adds = {e.key: e.count for e in prof.key_averages()}.get("aten::add", 0)
+                runs = groups if count == 2 else len(per_segment)
+                assert adds == 2 * len(lean.layers) * runs
+                for c in caches:
+                    c[1] += new
+            for a, b in zip(*got, strict=True):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+    _same_caches(grouped, alone)
+

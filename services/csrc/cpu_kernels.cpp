@@ -29,6 +29,7 @@
 // (docs/performance.md, 2026-11-27).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>

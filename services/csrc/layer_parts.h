@@ -42,29 +42,23 @@ at::Tensor norm_qkv_store(const at::Tensor& x, const at::Tensor& ln1, double eps
 // gate_up (gu_n outputs), down, and the segment's key and value buffers [S, KV, slot_len, D];
 // last [n, width]; rows_at [rows] (n = rows: the window has no gaps, and it is not read).
 // Returns the last layer's output [T, h].
-at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int64_t qkv_n,
-                        at::TensorList o, at::TensorList ln2, at::TensorList gate_up, int64_t gu_n,
-                        at::TensorList down, at::TensorList keys, at::TensorList values,
-                        const at::Tensor& cos, const at::Tensor& ssin, int64_t heads, int64_t kv_heads,
-                        double eps, double scale, const at::Tensor& slot, const at::Tensor& pos, int64_t lo,
-                        int64_t width, int64_t since, int64_t keys_end, const at::Tensor& last,
-                        const at::Tensor& rows_at) {
-  const size_t layers = ln1.size();
-  for (const auto* list : {&qkv, &o, &ln2, &gate_up, &down, &keys, &values})
-    TORCH_CHECK(list->size() == layers, "dense_layers: one weight and buffer of each kind a layer");
-  TORCH_CHECK(x.dim() == 2, "dense_layers: x must be [T, h]");
-  TORCH_CHECK(heads % kv_heads == 0, "dense_layers: heads must be a multiple of kv_heads");
+namespace {
+
+constexpr int64_t kGroupTokens = 8;  // tokens of a group of rows on more than one thread
+
+// dense_layers' layers over one run of its rows (all of them, or one group of them): the window
+// lo..lo+n-1 with last [n, width], rows_at [rows] (gaps: n != rows).
+at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int64_t qkv_n, at::TensorList o,
+                       at::TensorList ln2, at::TensorList gate_up, int64_t gu_n, at::TensorList down,
+                       at::TensorList keys, at::TensorList values, const at::Tensor& cos, const at::Tensor& ssin,
+                       int64_t heads, int64_t kv_heads, double eps, double scale, const at::Tensor& slot,
+                       const at::Tensor& pos, int64_t lo, int64_t width, int64_t since, int64_t keys_end,
+                       const at::Tensor& last, const at::Tensor& rows_at) {
   const int64_t T = x.size(0), D = qkv_n / (heads + 2 * kv_heads), G = heads / kv_heads;
-  TORCH_CHECK(width > 0 && T % width == 0, "dense_layers: T must be a multiple of width");
-  TORCH_CHECK(since >= 0 && since < keys_end, "dense_layers: since must be in 0..keys_end - 1");
-  // rows of the pass, and slots of the window lo..lo+n-1 (more where sessions between rounds
-  // hold slots inside it: their queries are zeros, and their outputs are not read)
   const int64_t rows = T / width, n = last.size(0);
-  TORCH_CHECK(n >= rows && rows_at.numel() == rows,
-              "dense_layers: rows_at must hold each row's slot in the window of last's rows");
   const bool gaps = n != rows;
   const auto span = [&](const at::Tensor& b) { return b.narrow(0, lo, n).narrow(2, since, keys_end - since); };
-  for (size_t i = 0; i < layers; ++i) {
+  for (size_t i = 0; i < ln1.size(); ++i) {
     const auto q = norm_qkv_store(x, ln1[i], eps, qkv[i], qkv_n, cos, ssin, heads, kv_heads, keys[i],
                                   values[i], slot, pos);  // [T, H, D]
     auto queries = q.view({rows, width, heads, D});
@@ -77,4 +71,59 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
     x = mlp_tail(x, attn, o[i], ln2[i], eps, gate_up[i], gu_n, down[i]);
   }
   return x;
+}
+
+}  // namespace
+
+at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int64_t qkv_n,
+                        at::TensorList o, at::TensorList ln2, at::TensorList gate_up, int64_t gu_n,
+                        at::TensorList down, at::TensorList keys, at::TensorList values,
+                        const at::Tensor& cos, const at::Tensor& ssin, int64_t heads, int64_t kv_heads,
+                        double eps, double scale, const at::Tensor& slot, const at::Tensor& pos, int64_t lo,
+                        int64_t width, int64_t since, int64_t keys_end, const at::Tensor& last,
+                        const at::Tensor& rows_at) {
+  const size_t layers = ln1.size();
+  for (const auto* list : {&qkv, &o, &ln2, &gate_up, &down, &keys, &values})
+    TORCH_CHECK(list->size() == layers, "dense_layers: one weight and buffer of each kind a layer");
+  TORCH_CHECK(x.dim() == 2, "dense_layers: x must be [T, h]");
+  TORCH_CHECK(heads % kv_heads == 0, "dense_layers: heads must be a multiple of kv_heads");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(width > 0 && T % width == 0, "dense_layers: T must be a multiple of width");
+  TORCH_CHECK(since >= 0 && since < keys_end, "dense_layers: since must be in 0..keys_end - 1");
+  // rows of the pass, and slots of the window lo..lo+n-1 (more where sessions between rounds
+  // hold slots inside it: their queries are zeros, and their outputs are not read)
+  const int64_t rows = T / width, n = last.size(0);
+  TORCH_CHECK(n >= rows && rows_at.numel() == rows,
+              "dense_layers: rows_at must hold each row's slot in the window of last's rows");
+  const bool gaps = n != rows;
+  // On more than one thread, groups of rows run all their layers each, one group a claim: rows
+  // do not mix within a layer, and a group's tiles are the ones its rows have in the whole
+  // pass (a tile takes at most kGroupTokens rows), so each output is the same float. A layer's
+  // operators over all rows would meet the other threads at every operator's end (~30 a pass):
+  // a thread the OS lends to another process for a while (the gateway, Redis and the drafter
+  // share these cores) held up each of them.
+  const int64_t per_group = std::max<int64_t>(1, kGroupTokens / width);
+  const int64_t groups = (rows + per_group - 1) / per_group;
+  if (at::get_num_threads() <= 1 || at::in_parallel_region() || groups < 2)
+    return layers_over(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
+                       kv_heads, eps, scale, slot, pos, lo, width, since, keys_end, last, rows_at);
+  const auto at_cpu = rows_at.to(at::kLong).contiguous();
+  const int64_t* where = at_cpu.data_ptr<int64_t>();
+  auto result = at::empty_like(x);
+  const at::ThreadLocalState caller;  // inference mode, on the threads that take groups too
+  parallel_claims(groups, [&](const auto& each) {
+    const at::ThreadLocalStateGuard same(caller);
+    each([&](int64_t g, int64_t) {
+      const int64_t j0 = g * per_group, j1 = std::min(rows, j0 + per_group);
+      const int64_t first = gaps ? where[j0] : j0, final = gaps ? where[j1 - 1] : j1 - 1;
+      const int64_t t0 = j0 * width, tn = (j1 - j0) * width;
+      const auto sub = [&](const at::Tensor& t) { return t.narrow(0, t0, tn); };
+      const auto at_rows = gaps ? at_cpu.narrow(0, j0, j1 - j0) - first : at_cpu.narrow(0, 0, j1 - j0);
+      result.narrow(0, t0, tn).copy_(layers_over(
+          sub(x), ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, sub(cos), sub(ssin), heads,
+          kv_heads, eps, scale, sub(slot), sub(pos), lo + first, width, since, keys_end,
+          last.narrow(0, first, final - first + 1), at_rows));
+    });
+  });
+  return result;
 }
