@@ -236,6 +236,26 @@ class LeanLlama(torch.nn.Module):
         return (self.kernel_layer and tokens <= half_linear.ROWS_MAX
                 and self.uniform_pass.weights is not None)
 
+    def _cascades(self, shared: list[tuple[list[int], int]], sizes: list[int],
+                  all_pooled: bool) -> list[tuple[list[int], int]]:
+        """The groups of ``shared`` whose rows attend their shared prefix once (cascade
+        attention). With the prefix kernel: a group only when it fills one of the kernel's
+        blocks of queries (``ragged_attention.PREFIX_MIN_QUERIES`` a key head: a smaller
+        one pays for a whole block over the prefix); and where the pass could otherwise run
+        its layers in one operator (every row pooled, all of one size: ``_uniform``), the
+        groups only when they save ``ragged_attention.SHARED_MIN_SAVED`` positions a token
+        of the pass (any group keeps the whole pass in the layer-by-layer path)."""
+        if not self.kernel_prefix:
+            return list(shared)
+        G = self._heads // self._kv_heads
+        groups = [(idx, p) for idx, p in shared
+                  if sum(sizes[b] for b in idx) * G >= ragged_attention.PREFIX_MIN_QUERIES]
+        saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
+        if (groups and all_pooled and len(set(sizes)) == 1 and self._uniform(sizes[0])
+                and saved < ragged_attention.SHARED_MIN_SAVED * sum(sizes)):
+            return []
+        return groups
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., V] of x [..., h]."""
         return self._lm_head(self._rms(x, self.hf.model.norm.weight))
@@ -320,9 +340,9 @@ class LeanLlama(torch.nn.Module):
         x = self.hf.model.embed_tokens(ids)  # [1, T, h]
         top = max(r.start + m for r, m in zip(rows, sizes, strict=True))
         cos, sin = (t[0] for t in self.rope(x, positions, top))  # [T, 1, D], over heads
-        groups = [(idx, p) for idx, p in shared if dev.type == "cpu"]
-        grouped = {b for idx, _ in groups for b in idx}
         pooled = set(self._pooled(rows))  # rows attended in their pool slots
+        groups = self._cascades(shared, sizes, len(pooled) == len(rows)) if dev.type == "cpu" else []
+        grouped = {b for idx, _ in groups for b in idx}
         masks = {b: None if sizes[b] == 1 else  # one query sees every key: no mask needed
                  group_mask(torch.ones(sizes[b], rows[b].start + sizes[b], dtype=torch.bool,
                                        device=dev).tril(diagonal=rows[b].start), H // KV)

@@ -452,16 +452,17 @@ def _same_caches(ours: list[list], theirs: list[list]) -> None:
             assert torch.equal(la.values[..., :length, :], lb.values[..., :length, :])
 
 
-@pytest.mark.parametrize("rows, shared", [(1, 0), (5, 0), (5, 144)],
-                         ids=["one", "five", "five-sharing-a-prefix"])
+@pytest.mark.parametrize("rows, shared", [(1, 0), (5, 0), (8, 144)],
+                         ids=["one", "five", "eight-sharing-a-prefix"])
 def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(rows, shared,
                                                                              monkeypatch):
     """Decode passes whose tokens all attend in one pooled call run the rotary embedding,
     the split into heads and the cache writes in ``specmesh_cpu::rope_store``: the demo
     target's logits over three steps are the very floats of the operators it replaces, and
     the caches hold the same keys and values after. Rows that share a 144-token prefix
-    (one cascade, its shared part in ``prefix_attention`` where the CPU has AVX-512) take
-    the same fused path."""
+    (one cascade, its shared part in ``prefix_attention`` where the CPU has AVX-512 or AVX2:
+    eight rows, whose 16 queries a key head fill one of the kernel's blocks) take the same
+    fused path."""
     from services import ragged_attention
 
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
@@ -688,3 +689,46 @@ def test_a_uniform_pass_on_two_threads_runs_groups_of_rows_with_the_same_floats(
         torch.set_num_threads(threads)
     _same_caches(grouped, alone)
 
+
+@pytest.mark.parametrize("groups, alone, prefix, wide, cascade", [
+    ([2, 2, 2, 2], 0, 160, False, False), ([8], 8, 160, False, False),
+    ([8], 0, 400, False, True), ([8], 0, 160, True, True)],
+    ids=["pairs", "eight-of-sixteen-sharing-little", "eight-sharing-much",
+         "eight-beside-a-verify"])
+def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, prefix, wide,
+                                                                 cascade):
+    """With the prefix kernel a group of rows attends its shared prefix once (cascade
+    attention) only when its queries fill one of the kernel's 16-lane blocks per key head
+    (the demo target has two query heads a key head: eight one-token rows), and, where the
+    pass could run its layers as one operator, only when the groups save 200 positions
+    (rows after each group's first times its prefix) a token of the pass: pairs, and eight
+    of sixteen rows sharing 160 positions (70 a token), run ``dense_layers``; eight sharing
+    400 (350 a token) attend the prefix in ``prefix_attention``, as eight sharing 160 do
+    beside a verify row of four tokens (the pass runs layer by layer anyway). Either way
+    the logits are those of the same rows attending their own copies of the prefix."""
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+    lean = LeanLlama(model, pack=True, half=True)
+    if not lean.kernel_prefix:
+        pytest.skip("prefix_attention needs AVX-512 or AVX2; this CPU has neither")
+    g = torch.Generator().manual_seed(len(groups) + prefix)
+    prompts, shared = [], []
+    for size in groups:
+        common = torch.randint(0, 8000, (prefix,), generator=g).tolist()
+        shared.append((list(range(len(prompts), len(prompts) + size)), prefix))
+        prompts += [common + torch.randint(0, 8000, (5 + b,), generator=g).tolist()
+                    for b in range(size)]
+    prompts += [torch.randint(0, 8000, (prefix + 3,), generator=g).tolist()
+                for _ in range(alone + wide)]
+    runs = []
+    for sharing in (shared, []):
+        caches = _fed(lean, prompts)
+        rows = [Row(tokens=[9 + b] * (4 if wide and b == len(caches) - 1 else 1), kv=kv,
+                    start=s, keep=1) for b, (kv, s) in enumerate(caches)]
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            runs.append(lean.forward_ragged(rows, sharing))
+        ops = {e.key: e.count for e in prof.key_averages()}
+        attended_once = ops.get("specmesh_cpu::prefix_attention", 0) > 0
+        assert attended_once == (cascade and bool(sharing))
+        assert (ops.get("specmesh_cpu::dense_layers", 0) > 0) == (not wide and not attended_once)
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
