@@ -242,7 +242,7 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # layer-by-layer path. Demo target, one thread, whole passes alternated (docs/performance.md,
 # 2026-11-28): 32 sessions in pairs sharing 130-500 positions took 26-46 ms a pass with
 # the pairs' cascades, 16-28 without; among 32 sessions one group of 16 sharing 250 positions
-# (117 saved a token) or of 8 sharing 800 (175) lost 0.6-1.5 ms, while 16 of 16 sharing 250
+# (117 saved a token) or of 8 sharing 800 (175) lost 1.5 ms each, while 16 of 16 sharing 250
 # (234) won 1.2 ms and 16 of 32 sharing 800 (375) won 3 ms.
 PREFIX_MIN_QUERIES = 16
 SHARED_MIN_SAVED = 200
