@@ -5,9 +5,13 @@ units), and measures each epoch's tokens per second: the tokens of the units tha
 it over those units' cycle times (from a unit's start to the next one's, so that what a mode
 costs the rest of the system between units counts too). It keeps the better mode and tries
 the other one again after 2 epochs, then 4, 8 and 16 while the incumbent keeps winning (2, 8,
-16 when the other mode reached less than 0.8 of its rate): with a 1.5x difference, 1 epoch
-in 17 costs about 2%. An explored epoch that runs below 0.8 of the incumbent's rate after
-half an epoch ends there (``cut_below``): its second half would only cost more. A tie goes
+16 when the other mode reached less than 0.8 of its rate; 2, 8, 32, 64 when less than 0.6):
+with a 1.5x difference, 1 epoch in 17 costs about 2%. An explored epoch that runs below 0.8
+of the incumbent's rate after half an epoch ends there (``cut_below``), below 0.6 after a
+quarter (``cut_early``): the rest would only cost more. On the demo pair at 8 streams on a
+2-core CPU drafting ran at 0.51-0.57 of not drafting, and each half-epoch exploration, with
+the drafter's catch-up on every session before it, cost a 2-second bench cell 4-10% of its
+tokens (docs/performance.md). A tie goes
 to the mode that is off (``on`` False), the cheaper one; with ``on_margin`` above 1 the mode
 that is on must win by that factor.
 A switch whose first mode came from evidence (``patient``) measures the other mode on the
@@ -46,9 +50,12 @@ class EpochSwitch:
     first_explore: int = 2  # epochs of the incumbent before the other mode is tried again
     max_explore: int = 16  # ... doubling while the incumbent keeps winning, up to this
     wide_margin: float = 0.8  # (quadrupling while the other mode's rate is below this share)
+    far_margin: float = 0.6  # ... and while below this share, up to ``max_far`` epochs
+    max_far: int = 64
     on_margin: float = 1.0  # the mode that is on must beat the other's rate by this factor
     cut_below: float = 0.8  # an explored epoch running below this share of the incumbent's
     #                         rate after half an epoch ends there (0: never)
+    cut_early: float = 0.6  # ... below this share, after a quarter of an epoch
     on: bool = True  # the mode of the current epoch
     patient: bool = False  # the first mode came from evidence: explore on schedule
     rate: dict[bool, float] = field(default_factory=dict)  # per mode: tokens per second of cycles
@@ -91,8 +98,10 @@ class EpochSwitch:
         of exploring (so it does not begin by running the worse mode for an epoch)."""
         return type(self)(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
                           first_explore=self.first_explore, max_explore=self.max_explore,
-                          wide_margin=self.wide_margin, on_margin=self.on_margin,
-                          cut_below=self.cut_below, on=self.incumbent,
+                          wide_margin=self.wide_margin, far_margin=self.far_margin,
+                          max_far=self.max_far, on_margin=self.on_margin,
+                          cut_below=self.cut_below, cut_early=self.cut_early,
+                          on=self.incumbent,
                           patient=True, rate=dict(self.rate), steal=self.steal,
                           _every=self._every)
 
@@ -109,15 +118,18 @@ class EpochSwitch:
         return self.on
 
     def _losing(self, now: float) -> bool:
-        """Whether an explored epoch (not a confirming one) has run half an epoch and
-        ``min_rounds`` units below ``cut_below`` of the incumbent's rate: it has lost by a
-        wide margin, and its second half would only cost more. On the demo pair at 8 streams
-        a load level's first drafting epoch ran at 0.6 of its plain ones
-        (docs/performance.md)."""
+        """Whether an explored epoch (not a confirming one) has run ``min_rounds`` units and
+        half an epoch below ``cut_below`` of the incumbent's rate, or a quarter below
+        ``cut_early``: it has lost by a wide margin, and the rest would only cost more. On
+        the demo pair at 8 streams a load level's drafting epochs ran at 0.5-0.6 of its plain
+        ones (docs/performance.md)."""
         if not self._exploring or self._confirming or self.incumbent not in self.rate:
             return False
-        return (now - self._start >= self.epoch_s / 2 and self._rounds >= self.min_rounds
-                and self._tokens < self.cut_below * self.rate[self.incumbent] * self._busy_s)
+        if self._rounds < self.min_rounds:
+            return False
+        ran, rate = now - self._start, self.rate[self.incumbent] * self._busy_s
+        return ((ran >= self.epoch_s / 2 and self._tokens < self.cut_below * rate)
+                or (ran >= self.epoch_s / 4 and self._tokens < self.cut_early * rate))
 
     def observe(self, started: float, cycle_s: float, tokens: int, cut: bool = False) -> None:
         """A unit of work (a round, a pass) that began at ``started``, took ``cycle_s`` to
@@ -164,9 +176,12 @@ class EpochSwitch:
                 self._confirming = True
                 return
             self._confirming = False
-            # A mode that lost by a wide margin is tried again later than one that nearly won
-            wide = min(self.rate.values()) < self.wide_margin * max(self.rate.values())
-            self._every = (min(self.max_explore, (4 if wide else 2) * self._every)
+            # A mode that lost by a wide margin is tried again later than one that nearly won,
+            # one that lost by a far margin later still (a closer loss brings it back nearer)
+            low, high = min(self.rate.values()), max(self.rate.values())
+            wide, far = low < self.wide_margin * high, low < self.far_margin * high
+            cap = self.max_far if far else self.max_explore
+            self._every = (min(cap, (4 if wide else 2) * self._every)
                            if best == self.incumbent else self.first_explore)
             self._exploring, self._streak, self.on = False, 0, best
             return

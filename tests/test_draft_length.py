@@ -259,15 +259,16 @@ def test_a_plain_round_cut_short_by_its_step_is_not_counted():
     assert switch.rate == {True: 80.0}
 
 
-def _switch_modes(rate: dict[bool, float], seconds: float = 60.0) -> list[bool]:
-    """The mode of each 50 ms round on a switch whose modes yield ``rate`` tokens per
-    request-second."""
+def _switch_modes(rate: dict[bool, float], seconds: float = 60.0,
+                  step: float = 0.05) -> list[bool]:
+    """The mode of each round, one every ``step`` seconds, on a switch whose modes yield
+    ``rate`` tokens per request-second."""
     switch, t, modes = LoadSwitch(), 0.0, []
     while t < seconds:
         mode = switch.mode(t)
         modes.append(mode)
-        switch.observe(t, 0.05, rate[mode] * 0.05)
-        t += 0.05
+        switch.observe(t, step, rate[mode] * step)
+        t += step
     assert switch.rate[True] > switch.rate[False]
     return modes
 
@@ -289,7 +290,8 @@ def _runs(modes: list[bool]) -> list[int]:
 def test_the_switch_keeps_the_better_mode_and_explores_less_while_it_holds():
     """Epochs of 0.5 s (10-11 rounds): each mode measured once, then the better one, with the
     other tried after 2, 4, 8 and 16 epochs while it keeps losing narrowly, after 2, 8, 16
-    while it loses widely (below 0.8 of the better rate)."""
+    while it loses widely (below 0.8 of the better rate), after 2, 8, 32, 64 while it loses
+    by far (below 0.6), each of those tries cut after a quarter of an epoch."""
     narrow = _switch_modes({True: 40.0, False: 36.0})
     epochs = [narrow[0]] + [b for a, b in zip(narrow, narrow[1:], strict=False) if a != b]
     assert epochs[:3] == [True, False, True]  # measure both, keep the better
@@ -297,6 +299,12 @@ def test_the_switch_keeps_the_better_mode_and_explores_less_while_it_holds():
     wide = _switch_modes({True: 40.0, False: 30.0})
     assert [r // 10 for r in _runs(wide)[:3]] == [2, 8, 16]
     assert wide.count(False) < narrow.count(False) < 0.15 * len(narrow)
+    # rounds of 10 ms (8 streams' rounds, one after another): 50 an epoch
+    far = _switch_modes({True: 40.0, False: 20.0}, seconds=120.0, step=0.01)
+    assert [r // 50 for r in _runs(far)[:5]] == [2, 8, 32, 64, 64]
+    # each epoch of the far worse mode, its first too, lasts a quarter of an epoch
+    explored = [len(run) for run in "".join("x" if m else "o" for m in far).split("x") if run]
+    assert len(explored) == 7 and all(12 <= n <= 14 for n in explored)
 
 
 def test_a_new_load_level_starts_where_the_nearest_one_is():

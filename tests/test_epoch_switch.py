@@ -153,3 +153,42 @@ def test_an_explored_epoch_that_loses_widely_ends_after_half_an_epoch():
     assert confirm.mode(1.5) is False  # rated as the next begins: (120 + 60) / 2 lost
     assert not confirm.exploring and confirm.incumbent is False
     assert EpochSwitch(cut_below=0.5).seeded().cut_below == 0.5
+
+
+def test_an_explored_epoch_far_below_ends_after_a_quarter_and_is_tried_again_much_later():
+    """On the demo pair at 8 streams on a 2-core CPU drafting ran at 0.51-0.57 of not
+    drafting (docs/performance.md): below ``cut_early`` (0.6) of the incumbent's rate an
+    explored epoch ends after a quarter of an epoch, between 0.6 and ``cut_below`` after
+    half; such a far loss lets the interval grow to ``max_far`` epochs, and a closer loss
+    after it brings the interval back within ``max_explore``."""
+
+    def explored_units(switch: EpochSwitch, start: float, rate: float) -> int:
+        n = 0  # units of 10 ms: 50 an epoch
+        while switch.mode(start + 0.01 * n) is True:
+            switch.observe(start + 0.01 * n, 0.01, rate * 0.01)
+            n += 1
+        return n
+
+    def exploring_next(rate_kept: float = 100.0, every: int = 2) -> EpochSwitch:
+        switch = EpochSwitch(on=False, rate={False: rate_kept}, patient=True, _every=every)
+        switch._streak = switch._every - 1  # the next epoch explores
+        switch.mode(0.0)
+        for i in range(50):  # the incumbent's epoch
+            switch.mode(0.01 * i)
+            switch.observe(0.01 * i, 0.01, rate_kept * 0.01)
+        return switch
+
+    far = exploring_next()
+    assert explored_units(far, 0.5, 50.0) == 13  # a quarter of an epoch (and 8 units)
+    assert far._every == 8 and far.rate[True] == pytest.approx(50.0)
+    assert explored_units(exploring_next(), 0.5, 70.0) == 25  # half
+    assert explored_units(exploring_next(), 0.5, 85.0) == 50  # the whole epoch
+    late = exploring_next(every=16)
+    explored_units(late, 0.5, 50.0)
+    assert late._every == 64  # 4 x 16, past max_explore
+    later = exploring_next(every=64)
+    later.rate[True] = 50.0
+    explored_units(later, 0.5, 70.0)
+    assert later._every == later.max_explore  # lost by less: tried again sooner
+    seeded = EpochSwitch(cut_early=0.5, far_margin=0.4, max_far=32).seeded()
+    assert (seeded.cut_early, seeded.far_margin, seeded.max_far) == (0.5, 0.4, 32)
