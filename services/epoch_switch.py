@@ -10,7 +10,7 @@ with a 1.5x difference, 1 epoch in 17 costs about 2%. An explored epoch that run
 of the incumbent's rate after half an epoch ends there (``cut_below``), below 0.6 after a
 quarter (``cut_early``): the rest would only cost more. On the demo pair at 8 streams on a
 2-core CPU drafting ran at 0.51-0.57 of not drafting, and each half-epoch exploration, with
-the drafter's catch-up on every session before it, cost a 2-second bench cell 4-10% of its
+the drafter's catch-up on every session before it, cost a 2-second bench cell 3-11% of its
 tokens (docs/performance.md). A tie goes
 to the mode that is off (``on`` False), the cheaper one; with ``on_margin`` above 1 the mode
 that is on must win by that factor.
