@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -21,10 +22,16 @@ log = logging.getLogger(__name__)
 PREFIX = "specmesh:replica:"
 
 
+REPEAT_LOG_S = 10.0  # while writes keep failing, a reminder this often
+
+
 class KeptKey:
     """A Redis key a replica writes every ``period_s`` seconds (``write``) from ``start()``
     until ``stop()``, which deletes it. A failed write is logged as ``what`` failing and the
-    replica keeps serving; the next write retries."""
+    replica keeps serving; the next write retries. While writes keep failing (Redis down) the
+    log says so once, then every ``REPEAT_LOG_S`` seconds, and once when a write works again
+    with how many failed and for how long: a prefix index written every 0.25 s logged a line
+    per write, four a second per replica, through a Redis restart."""
 
     what = "write"
 
@@ -41,11 +48,26 @@ class KeptKey:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        failures, since, told = 0, 0.0, 0.0
         while True:
             try:
                 await self.write()
             except RedisError as exc:
-                log.warning("%s failed: %s", self.what, exc)
+                now = time.monotonic()
+                if not failures:
+                    since = told = now
+                    log.warning("%s failed: %s (retried every %.2f s; while it fails, logged "
+                                "every %g s)", self.what, exc, self._period_s, REPEAT_LOG_S)
+                elif now - told >= REPEAT_LOG_S:
+                    told = now
+                    log.warning("%s still failing after %.1f s (%d failures): %s", self.what,
+                                now - since, failures + 1, exc)
+                failures += 1
+            else:
+                if failures:
+                    log.info("%s works again after %d failures over %.1f s", self.what,
+                             failures, time.monotonic() - since)
+                    failures = 0
             await asyncio.sleep(self._period_s)
 
     async def stop(self) -> None:

@@ -41,3 +41,47 @@ def test_registration_lifecycle(own_redis):
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_redis_outage_is_logged_once_then_every_few_seconds_and_when_it_ends(
+        own_redis, caplog, monkeypatch):
+    """A replica's keys are written every 0.25 s (its prefix index) or 2 s (its heartbeat);
+    through a Redis outage each failed write logged a line (a chaos run's drafter: 4 a
+    second). Now: the first failure, a reminder every REPEAT_LOG_S, and one line when writes
+    work again, with the count. The outage is a client whose Redis is a port nobody listens
+    on; the recovery, the same key's writer given the live server's client."""
+    import logging
+    import socket
+
+    from services import registry
+
+    monkeypatch.setattr(registry, "REPEAT_LOG_S", 0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+
+    async def scenario():
+        dead = aioredis.Redis.from_url(f"redis://127.0.0.1:{dead_port}/0")
+        live = aioredis.Redis.from_url(own_redis)
+        kept = Registration(dead, "drafter", "10.0.0.9:50061", lambda: {"sessions": 0},
+                            ttl_s=0.06)  # a write every 20 ms
+        kept.start()
+        await asyncio.sleep(0.5)  # ~25 failed writes
+        kept._r = live  # Redis is back
+        await asyncio.sleep(0.1)
+        assert "10.0.0.9:50061" in await list_replicas(live, "drafter")
+        await kept.stop()
+        await dead.aclose()
+        await live.aclose()
+
+    with caplog.at_level(logging.INFO, logger="services.registry"):
+        asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records if r.name == "services.registry"]
+    failed = [m for m in lines if m.startswith("registry heartbeat failed")]
+    still = [m for m in lines if "still failing" in m]
+    back = [m for m in lines if "works again" in m]
+    assert len(failed) == 1 and failed[0].endswith("logged every 0.2 s)")
+    assert 1 <= len(still) <= 3  # every 0.2 s over ~0.5 s, not one per write
+    assert len(back) == 1
+    count = int(back[0].split("after ")[1].split(" failures")[0])
+    assert count >= 10 and len(lines) < count
