@@ -8,11 +8,11 @@ the other one again after 2 epochs, then 4, 8 and 16 while the incumbent keeps w
 16 when the other mode reached less than 0.8 of its rate; 2, 8, 32, 64 when less than 0.6):
 with a 1.5x difference, 1 epoch in 17 costs about 2%. An explored epoch that runs below 0.8
 of the incumbent's rate after half an epoch ends there (``cut_below``), below 0.6 after a
-quarter (``cut_early``): the rest would only cost more. On the demo pair at 8 streams on a
-2-core CPU drafting ran at 0.51-0.57 of not drafting, and each half-epoch exploration, with
-the drafter's catch-up on every session before it, cost a 2-second bench cell 3-11% of its
-tokens (docs/performance.md). A tie goes
-to the mode that is off (``on`` False), the cheaper one; with ``on_margin`` above 1 the mode
+quarter (``cut_early``): the rest would only cost more. On the demo pair on a 2-core CPU
+drafting ran at 0.52-0.57 of not drafting at 8 streams (0.49-0.55 at 16), and each
+half-epoch exploration, with the drafter's catch-up on every session before it, cost a
+2-second bench cell 3-11% of its tokens (docs/performance.md). A tie goes to the mode that
+is off (``on`` False), the cheaper one; with ``on_margin`` above 1 the mode
 that is on must win by that factor.
 A switch whose first mode came from evidence (``patient``) measures the other mode on the
 usual schedule, after ``first_explore`` epochs, not at once.

@@ -156,7 +156,7 @@ def test_an_explored_epoch_that_loses_widely_ends_after_half_an_epoch():
 
 
 def test_an_explored_epoch_far_below_ends_after_a_quarter_and_is_tried_again_much_later():
-    """On the demo pair at 8 streams on a 2-core CPU drafting ran at 0.51-0.57 of not
+    """On the demo pair at 8 streams on a 2-core CPU drafting ran at 0.52-0.57 of not
     drafting (docs/performance.md): below ``cut_early`` (0.6) of the incumbent's rate an
     explored epoch ends after a quarter of an epoch, between 0.6 and ``cut_below`` after
     half; such a far loss lets the interval grow to ``max_far`` epochs, and a closer loss
