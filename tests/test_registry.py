@@ -81,7 +81,8 @@ def test_a_redis_outage_is_logged_once_then_every_few_seconds_and_when_it_ends(
     still = [m for m in lines if "still failing" in m]
     back = [m for m in lines if "works again" in m]
     assert len(failed) == 1 and failed[0].endswith("logged every 0.2 s)")
-    assert 1 <= len(still) <= 3  # every 0.2 s over ~0.5 s, not one per write
     assert len(back) == 1
     count = int(back[0].split("after ")[1].split(" failures")[0])
+    outage = float(back[0].split(" over ")[1].split(" s")[0])  # ~0.5 s, longer on a slow machine
+    assert 1 <= len(still) <= outage / 0.2 + 1  # a reminder every 0.2 s, not one per write
     assert count >= 10 and len(lines) < count
