@@ -75,6 +75,7 @@ class GenerationEngine:
         self.k = DraftLength(config, limits, drafters, lambda: self._inflight,
                              steal=steal.read)
         verifiers.merge_plain = self.k.merge_plain
+        verifiers.lone = drafters.lone = lambda: self._inflight <= 1
         self._inflight = 0
         self._background: set[asyncio.Task] = set()  # clean-ups still running
 

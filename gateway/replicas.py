@@ -61,9 +61,11 @@ class Replica:
                 pass  # an older replica: unary calls from now on
         return await getattr(self.stub, method)(request, timeout=timeout)
 
-    def batch_steps(self, kind: str, merging: Callable[[], bool] = lambda: True) -> None:
+    def batch_steps(self, kind: str, merging: Callable[[], bool] = lambda: True,
+                    lone: Callable[[], bool] = lambda: False) -> None:
         """Sends this replica's Draft or Verify calls a step at a time (gateway/step_batch.py);
-        ``merging``: whether cohorts of Verify calls without drafts merge now."""
+        ``merging``: whether cohorts of Verify calls without drafts merge now; ``lone``:
+        whether the gateway runs a single request (its calls go at once)."""
         method, rpc, wrap, reply = _BATCHED[kind]
 
         async def send_batch(requests, timeout: float):
@@ -76,7 +78,7 @@ class Replica:
             method, lambda request, timeout: self.send(method, request, timeout), send_batch,
             describe=_describe_verify if verify else lambda request: ("", False),
             merging=merging, fit=fit_verify_step if verify else lambda requests: None,
-            express=_feeds_prompt if verify else lambda request: False)
+            express=_feeds_prompt if verify else lambda request: False, lone=lone)
 
 
 _STREAMED = frozenset({"Draft", "Speculate", "Verify"})  # calls a replica's stream carries
@@ -133,6 +135,8 @@ class ReplicaPool:
         # whether cohorts of Verify calls without drafts merge (the engine sets it: while no
         # load switch keeps drafting)
         self.merge_plain: Callable[[], bool] = lambda: True
+        # whether the gateway runs a single request (the engine sets it)
+        self.lone: Callable[[], bool] = lambda: False
         self.replicas: dict[str, Replica] = {}
         self.update(frozenset(addresses))
 
@@ -157,7 +161,7 @@ class ReplicaPool:
             replica = Replica(address, channel, stub, stream=replica_stream(
                 self.kind, stub) if self._streams else None)
             if self._steps:
-                replica.batch_steps(self.kind, lambda: self.merge_plain())
+                replica.batch_steps(self.kind, lambda: self.merge_plain(), lambda: self.lone())
             self.replicas[address] = replica
             added.append(replica)
         for address in self.replicas.keys() - addresses:

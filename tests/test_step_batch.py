@@ -70,6 +70,34 @@ def test_a_lone_call_goes_alone_on_the_usual_path():
     asyncio.run(main())
 
 
+def test_a_lone_requests_call_goes_out_before_the_loop_turns_and_joins_a_step_out():
+    """While the gateway runs one request (``lone``), its call is sent in the same turn of
+    the loop as it is made, before other ready work (here a callback queued just before
+    it): no other session's call could join a step. A call made while a step is out (the
+    request count fell to one as it went) still waits for that step and goes in the next."""
+    async def main():
+        replica = _Replica(delay=0.05)
+        lone = [True]
+        b = StepBatcher("Verify", replica.one, replica.batch, lone=lambda: lone[0])
+        order = []
+        asyncio.get_running_loop().call_soon(lambda: order.append(len(replica.steps)))
+        r = await b.call(7, 5.0)
+        assert r.num_accepted == 7 and replica.steps == [("one", [7])]
+        assert order == [1]  # sent before the callback ran
+        assert b.direct == 1 and b.steps == 0
+        lone[0] = False
+        step = [asyncio.ensure_future(b.call(n, 5.0)) for n in (0, 1)]
+        await asyncio.sleep(0.01)  # that step is out
+        lone[0] = True
+        later = asyncio.ensure_future(b.call(2, 5.0))
+        await asyncio.sleep(0.01)
+        assert replica.steps == [("one", [7]), ("batch", [0, 1])]  # 2 waits for the step
+        assert [x.num_accepted for x in await asyncio.gather(*step, later)] == [0, 1, 2]
+        assert replica.steps[-1] == ("one", [2]) and b.direct == 1
+
+    asyncio.run(main())
+
+
 def test_a_wave_goes_as_one_step_and_each_call_gets_its_own_answer():
     async def main():
         replica = _Replica()
