@@ -34,23 +34,34 @@ SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
              num_attention_heads=32, num_key_value_heads=8, head_dim=64)
 
 
+def _fresh_config(config: dict) -> dict:
+    """A checkpoint's config without the keys a new model of another shape must not keep."""
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
+        config.pop(key, None)
+    return config
+
+
+def _save(model, source: Path, out: Path) -> Path:
+    """Saves ``model`` in float16, as a checkpoint would be, with ``source``'s tokenizer files."""
+    import torch
+
+    model.to(torch.float16).save_pretrained(out)
+    for name in COPIED:
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    return out
+
+
 def build_wide_target(source: Path, out: Path, seed: int = 0, **shape) -> Path:
     """Saves the wide target in ``out`` from the Llama checkpoint ``source`` (its config
     with ``SHAPE``, overridden by ``shape``; its tokenizer files copied); returns ``out``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = json.loads((source / "config.json").read_text())
-    for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
-        config.pop(key, None)
+    config = _fresh_config(json.loads((source / "config.json").read_text()))
     config.update(SHAPE, **shape)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float16)
-    model.save_pretrained(out)
-    for name in COPIED:
-        if (source / name).exists():
-            shutil.copy(source / name, out / name)
-    return out
+    return _save(LlamaForCausalLM(LlamaConfig(**config)), source, out)
 
 
 def widen_target(source: Path, out: Path, factor: int = 4, extra_layers: int = 0,
@@ -79,15 +90,13 @@ def widen_target(source: Path, out: Path, factor: int = 4, extra_layers: int = 0
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     hidden, inter, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-    config = c.to_dict()
-    for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
-        config.pop(key, None)
+    config = _fresh_config(c.to_dict())
     config.update(hidden_size=hidden * factor, num_attention_heads=heads * factor,
                   num_key_value_heads=kv_heads * factor, head_dim=head_dim,
                   intermediate_size=inter * factor, num_hidden_layers=layers + extra_layers,
                   rms_norm_eps=c.rms_norm_eps / factor)
     torch.manual_seed(seed)
-    wide = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
+    wide = LlamaForCausalLM(LlamaConfig(**config))
     root = factor ** 0.5
     with torch.no_grad():
         def put(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -96,7 +105,6 @@ def widen_target(source: Path, out: Path, factor: int = 4, extra_layers: int = 0
 
         put(wide.model.embed_tokens.weight, small.model.embed_tokens.weight)
         put(wide.lm_head.weight, small.lm_head.weight)
-        wide.model.norm.weight.fill_(1.0)
         put(wide.model.norm.weight, small.model.norm.weight / root)
         for i, w in enumerate(wide.model.layers):
             a, m = w.self_attn, w.mlp
@@ -112,13 +120,8 @@ def widen_target(source: Path, out: Path, factor: int = 4, extra_layers: int = 0
             for name in ("gate_proj", "up_proj", "down_proj"):
                 put(getattr(m, name).weight, getattr(o.mlp, name).weight)
             for name in ("input_layernorm", "post_attention_layernorm"):
-                getattr(w, name).weight.fill_(1.0)
                 put(getattr(w, name).weight, getattr(o, name).weight / root)
-    wide.to(torch.float16).save_pretrained(out)
-    for name in COPIED:
-        if (source / name).exists():
-            shutil.copy(source / name, out / name)
-    return out
+    return _save(wide, source, out)
 
 
 def main(argv: list[str] | None = None) -> int:
