@@ -150,7 +150,7 @@ class StepBatcher:
         A call made while the gateway runs a single request and no step is out goes at once
         too: no other session's call can join it, and gathering a wave only let the loop's
         other work (the last round's commit and chunk) run first. At one stream on a 2-core
-        CPU a call waited ~0.45 ms between being made and being sent, of a ~5.5 ms one-token
+        CPU a call waited ~0.45 ms between being made and being sent, of a ~6 ms one-token
         round (docs/performance.md)."""
         if self._step is not None and self._express(request):
             self.expressed += 1
