@@ -73,7 +73,7 @@ class GenerationEngine:
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
         self.k = DraftLength(config, limits, drafters, lambda: self._inflight,
-                             steal=steal.read)
+                             steal=steal.Clock())
         verifiers.merge_plain = self.k.merge_plain
         verifiers.lone = drafters.lone = lambda: self._inflight <= 1
         self._inflight = 0

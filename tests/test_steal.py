@@ -40,6 +40,23 @@ def test_the_share_is_of_the_time_demanded_between_two_readings():
     assert before is not None and after[1] >= before[1] and after[0] >= before[0]
 
 
+def test_a_clock_reads_the_counters_again_only_once_a_tick_has_passed():
+    """A gateway asks every round; /proc/stat counts in ticks of 10 ms, so a reading younger
+    than ``every_s`` is given again and an older one is read anew."""
+    readings = iter([(1, 10), (2, 20), (3, 30)])
+    now = [100.0]
+    clock = steal.Clock(lambda: next(readings), every_s=0.01, now=lambda: now[0])
+    assert clock() == (1, 10)
+    now[0] += 0.009
+    assert clock() == (1, 10)  # within the tick: not read again
+    now[0] += 0.001
+    assert clock() == (2, 20)  # a tick after the first reading
+    now[0] += 0.5
+    assert clock() == (3, 30)
+    none = steal.Clock(lambda: None)
+    assert none() is None and none() is None
+
+
 class _Host:
     """A steal clock the test moves: ``stolen`` ticks of every ``demanded`` from now on."""
 
