@@ -65,7 +65,8 @@ class GenerationEngine:
         meter = meter or metrics_api.NoOpMeterProvider().get_meter("specmesh")
         self.metrics = GatewayMetrics(
             meter, lambda: self._inflight,
-            lambda: [(kind, level, s) for (kind, level), s in list(self.k.switches.items())])
+            lambda: [(kind, level, s) for (kind, level), s in list(self.k.switches.items())],
+            lambda: self.rounds.trees)
         # a round's commit goes with those of its step's other sessions
         # (after the wave's steps went out: the steps are on every session's critical path)
         self.commits = CommitBatcher(store, on_pipeline=self.metrics.commit_batch.record,

@@ -42,6 +42,7 @@ class RoundResult:
     logprobs: tuple[TokenLogprobs, ...] = ()  # of ``proposed``, when the request asked for them
     more: tuple[int, ...] = ()  # a round without drafts: the verifier's tokens after extra_token
     asked: int = 1  # a round without drafts: the tokens it asked for (fewer came: ``cut``)
+    trees: bool | None = None  # the tree switch's mode for this round (None: not asked)
 
     @property
     def proposed(self) -> list[int]:

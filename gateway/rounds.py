@@ -43,11 +43,12 @@ from redis.exceptions import RedisError
 
 from gateway import clients
 from gateway.clients import ReplicaFailed
-from gateway.replicas import ReplicaPool
+from gateway.replicas import Replica, ReplicaPool
 from gateway.round_plan import RoundPlan, cache_delta, fanout_share, held, part, round_seed
 from gateway.round_result import RoundResult, SpecCache
 from gateway.session_rounds import SessionRounds
-from gateway.tree_width import TreeWidth
+from gateway.tree_width import TreeSwitch, TreeWidth
+from services import steal
 from services.config import GatewayConfig
 from services.errors import Busy, DeadlineExceeded, ResyncRequired, Unavailable
 from services.messages import (
@@ -78,6 +79,8 @@ class RoundRunner:
         self._requests = requests
         self._index = index
         self.width = TreeWidth(config.spec_fanout)  # the trees' fan-out, as fits the verify
+        # whether lone requests' rounds draft trees at all (epochs net of a VM's steal)
+        self.trees = TreeSwitch(steal=steal.Clock())
 
     async def run(self, s: SessionRounds, plan: RoundPlan,
                   deadline: Callable[[], float | None]) -> RoundResult:
@@ -89,6 +92,7 @@ class RoundRunner:
         tokens. Moves the cursors' replicas (who holds the caches), not the tokens: the
         caller commits the result (``SessionRounds.advance``)."""
         h, params, k, kind = s.handle, plan.params, plan.k, plan.kind
+        self._learn_trees(s)
         seed, round_index, prefetch = plan.seed, s.index, s.prefetch
         acceptance, logprobs, tokens = plan.acceptance, plan.logprobs, plan.tokens
         if (self.config.lead_round and k and prefetch is None and not h.drafter.length
@@ -113,15 +117,18 @@ class RoundRunner:
         drafted = draft if draft is not None and draft.token_ids else None
         ahead_tokens = plan.ahead if drafted is None else 0  # decoded ahead: no drafts
         ahead_seed = round_seed(seed, round_index + 1, "verify") if ahead_tokens else 0
+        tree, fanout, trees = None, 0, None
+        if drafted is not None and self.config.pipeline and h.drafter.replica:
+            tree, fanout, trees = self._tree(h, k, mid)
         verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
                               deadline, logprobs, 1 if drafted is not None else tokens,
-                              ahead=ahead_tokens, ahead_seed=ahead_seed)
+                              ahead=ahead_tokens, ahead_seed=ahead_seed, beside=fanout > 0)
         ahead = None
-        if drafted is not None and self.config.pipeline and h.drafter.replica:
+        if fanout:
             valid = old if fresh else min(h.drafter.length, old)
             ahead = asyncio.ensure_future(self._speculate(
-                h, params, drafted, valid, k, round_seed(seed, round_index + 1, "draft"),
-                acceptance, deadline))
+                h, tree, fanout, params, drafted, valid, k,
+                round_seed(seed, round_index + 1, "draft"), acceptance, deadline))
         try:
             result = await verify
         except BaseException:
@@ -149,7 +156,7 @@ class RoundRunner:
             warm=result.cache_hit and (not fresh or (draft.cache_hit and lag <= k + 1)),
             waited_ms=(end - mid + (mid - start if fresh else 0.0)) * 1000,
             logprobs=result.logprobs, more=result.more,
-            asked=1 if drafted is not None else tokens)
+            asked=1 if drafted is not None else tokens, trees=trees)
 
     async def _lead(self, h: SessionHandle, params: SamplingParams, k: int, kind: str,
                     seed: int, round_index: int, deadline, logprobs: int) -> RoundResult:
@@ -193,6 +200,32 @@ class RoundRunner:
             verify_compute_ms=result.compute_ms, warm=False, prefetch=spec,
             waited_ms=(time.perf_counter() - start) * 1000, logprobs=result.logprobs)
 
+    def _learn_trees(self, s: SessionRounds) -> None:
+        """The tree switch's unit: a round that asked it, from its start to this one's."""
+        if s.last is not None and s.last[1].trees is not None and s.last[1].warm:
+            started, r = s.last
+            self.trees.observe(started, time.perf_counter() - started, len(r.proposed))
+
+    def _tree(self, h: SessionHandle, k: int, now: float
+              ) -> tuple[Replica | None, int, bool | None]:
+        """Where to draft the next round's tree beside this round's verify: the model
+        drafter that holds the session, the branches to ask it for (0: no tree), and the
+        tree switch's mode when it was asked (None: no tree could run, so it was not)."""
+        replica = self.drafters.replicas.get(h.drafter.replica)
+        if (replica is None or replica.info is None or replica.info.kind != "model"
+                or k > replica.info.max_draft_tokens):
+            return None, 0, None
+        fanout = self._fanout(replica)
+        if not fanout:
+            return None, 0, None
+        trees = self.trees.mode(now)
+        if self.trees.kept_changed():
+            log.info("lone requests' drafting rounds now run %s a speculation tree beside "
+                     "their verify (tokens per second of rounds: %.0f with, %.0f without)",
+                     "with" if self.trees.incumbent else "without",
+                     self.trees.rate[True], self.trees.rate[False])
+        return replica, fanout if trees else 0, trees
+
     def _fanout(self, replica) -> int:
         """Branches to ask for: as many as end with the verify, up to --spec-fanout
         (gateway/tree_width.py), when the drafter serves no other call for this gateway and
@@ -207,20 +240,14 @@ class RoundRunner:
         return fanout_share(self.width.branches(), busy, self._requests(),
                             self.config.spec_max_requests)
 
-    async def _speculate(self, h: SessionHandle, params: SamplingParams, drafted: DraftResult,
-                         valid: int, k: int, seed: int, acceptance: float,
-                         deadline) -> tuple[SpecCache | None, int]:
-        """Round r+1's drafts for the likely outcomes of this round's verify, from the model
-        drafter that holds the session (``valid`` of the committed tokens are in its cache).
-        Any failure just means nothing is prepared: the next round drafts as usual.
-        Returns (the cache, tokens the drafter holds after the call)."""
-        replica = self.drafters.replicas.get(h.drafter.replica)
-        if (replica is None or replica.info is None or replica.info.kind != "model"
-                or k > replica.info.max_draft_tokens):
-            return None, 0
-        fanout = self._fanout(replica)
-        if not fanout:
-            return None, 0
+    async def _speculate(self, h: SessionHandle, replica: Replica, fanout: int,
+                         params: SamplingParams, drafted: DraftResult, valid: int, k: int,
+                         seed: int, acceptance: float, deadline) -> tuple[SpecCache | None, int]:
+        """Round r+1's drafts for the likely outcomes of this round's verify, ``fanout``
+        branches from ``replica``, the model drafter that holds the session (``valid`` of
+        the committed tokens are in its cache). Any failure just means nothing is prepared:
+        the next round drafts as usual. Returns (the cache, tokens the drafter holds after
+        the call)."""
         base = min(valid, len(h.tokens) - 1)  # logits from the last committed token on
         call = SpeculateCall(
             cache=cache_delta(h, base, drafted.token_ids), num_drafts=len(drafted.token_ids),
@@ -338,9 +365,10 @@ class RoundRunner:
     async def _verify(self, h: SessionHandle, params: SamplingParams,
                       draft: DraftResult | None, seed: int, deadline,
                       logprobs: int = -1, tokens: int = 1, ahead: int = 0,
-                      ahead_seed: int = 0) -> VerifyResult:
+                      ahead_seed: int = 0, beside: bool = False) -> VerifyResult:
         """``ahead`` (no ``draft``): the next round's tokens, which the verifier decodes once
-        it answers (verifier_svc/decode_ahead.py), from ``ahead_seed``."""
+        it answers (verifier_svc/decode_ahead.py), from ``ahead_seed``. ``beside``: a tree
+        is drafted meanwhile (VerifyCall.beside)."""
         sparse = draft is not None and not params.greedy
 
         async def call(replica, base: int) -> VerifyResult:
@@ -349,7 +377,7 @@ class RoundRunner:
                 draft_ids=draft.token_ids if draft else (),
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
                 params=params, seed=seed, logprobs=logprobs, max_tokens=tokens,
-                ahead=ahead, ahead_seed=ahead_seed),
+                ahead=ahead, ahead_seed=ahead_seed, beside=beside),
                 self._timeout(deadline))
 
         result = await self._on_replica(h, self.verifiers, "verifier", call, deadline=deadline)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.epoch_switch import EpochSwitch
+
 FLOOR = 4  # fewer branches than this end no sooner (see the module docstring)
 
 
@@ -62,3 +64,21 @@ class TreeWidth:
             self.width = max(float(self.lowest), min(self.width, branches) * self.shrink)
         elif branches >= self.branches():  # (a narrower tree, asked for earlier, says less)
             self.width = min(float(self.most), self.width + self.grow)
+
+
+
+class TreeSwitch(EpochSwitch):
+    """Whether lone requests' drafting rounds draft the next round's tree beside the verify
+    (``on``), measured as they run (services/epoch_switch.py: epochs of each, tokens per
+    second of round cycles, the better kept, the other tried again now and then; a tie goes
+    to no tree, the cheaper mode).
+
+    A tree hides the next round's draft behind the verify: on a hit, that round skips the
+    draft call. But it keeps the drafter's core busy for the whole verify, and on a CPU that
+    core is the one a verifier's pass could take (--plain-threads; the verifier is told,
+    VerifyCall.beside, and measures more threads only for passes with no tree beside). Where
+    a draft is cheap next to a verify, the core is worth more: on a target of ~240M
+    parameters with the demo drafter on a 2-core CPU, k = 3 ran 2.01x target-only without
+    trees, the verify on two threads, against 1.46x with them; on the demo pair the two
+    ran alike (docs/performance.md, 2026-11-28). Which wins depends on the pair, the
+    machine and where the replicas run, so the gateway measures."""

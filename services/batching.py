@@ -186,6 +186,10 @@ class StepJob:
     """One call's work on the model thread, in steps. Subclasses set what to feed
     (``next_row``) and use the logits (``take``); ``done`` ends the job."""
 
+    # a drafter works beside this job's pass (a verify beside a speculation tree): the pass
+    # runs on the process's own threads (services/plain_threads.py)
+    beside = False
+
     def next_row(self) -> Row:
         raise NotImplementedError
 
@@ -268,10 +272,10 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
     (a prompt, or a chunk of one), when more than the service's own: such a pass is bound
     by compute, which a second core speeds up (docs/performance.md).
 
-    ``plain``: a verifier's choice of threads for a pass that verifies no drafts (every
-    row one logit: services/plain_threads.py), when it has more cores for them: no drafter
-    works beside such a pass. A pass that verifies drafts runs on the service's own threads,
-    beside the drafter drafting the next round."""
+    ``plain``: a verifier's choice of threads for a decode pass (services/plain_threads.py),
+    when it has more cores for them, made apart for passes that verify no drafts (every row
+    one logit) and passes that verify drafts; a pass beside which a drafter drafts the next
+    round (a job's ``beside``) runs on the service's own threads."""
     start = time.perf_counter()
     errors: list[BaseException | None] = [None] * len(jobs)
     rows, live = [], []
@@ -284,8 +288,8 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
     prompt = any(len(r.tokens) >= PREFILL_ROW for r in rows)
     wide = prefill_threads if prompt else 0
     if plain is not None:
-        if rows and not prompt and all(r.keep == 1 for r in rows):
-            wide = plain.plain(start, len(rows))
+        if rows and not prompt and not any(job.beside for job in jobs):
+            wide = plain.plain(start, len(rows), drafts=any(r.keep > 1 for r in rows))
         else:
             plain.other()
     try:

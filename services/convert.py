@@ -115,7 +115,8 @@ def verify_call_to_pb(c: VerifyCall) -> verifier_pb2.VerifyRequest:
                                       logprobs=c.logprobs >= 0,
                                       top_logprobs=max(0, c.logprobs),
                                       max_tokens=c.max_tokens if c.max_tokens > 1 else 0,
-                                      ahead=c.ahead, ahead_seed=c.ahead_seed)
+                                      ahead=c.ahead, ahead_seed=c.ahead_seed,
+                                      drafting_beside=c.beside)
 
 
 def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
@@ -125,7 +126,8 @@ def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
                       q_probs=tuple(tuple(d.probs) for d in m.draft_dists),
                       params=params, seed=seed,
                       logprobs=m.top_logprobs if m.logprobs else -1,
-                      max_tokens=max(1, m.max_tokens), ahead=m.ahead, ahead_seed=m.ahead_seed)
+                      max_tokens=max(1, m.max_tokens), ahead=m.ahead, ahead_seed=m.ahead_seed,
+                      beside=m.drafting_beside)
 
 
 def verify_result_to_pb(r: VerifyResult) -> verifier_pb2.VerifyResponse:

@@ -109,6 +109,7 @@ class VerifyCall:
     max_tokens: int = 1  # without drafts: tokens to decode at most, one pass each
     ahead: int = 0  # without drafts: the next round's tokens to decode once answered (0: none)
     ahead_seed: int = 0  # the next round's seed (verifier_svc/decode_ahead.py)
+    beside: bool = False  # with drafts: a drafter drafts the next round meanwhile (a tree)
 
 
 @dataclass(frozen=True)

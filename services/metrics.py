@@ -51,8 +51,10 @@ def _counters(meter: metrics.Meter, name: str, unit: str, description: str,
 
 class GatewayMetrics:
     def __init__(self, meter: metrics.Meter, active_sessions: Callable[[], int],
-                 switches: Callable[[], Iterable[tuple[str, int, object]]] = tuple) -> None:
-        """``switches``: (drafter kind, load level, LoadSwitch) of each load switch."""
+                 switches: Callable[[], Iterable[tuple[str, int, object]]] = tuple,
+                 trees: Callable[[], object | None] = lambda: None) -> None:
+        """``switches``: (drafter kind, load level, LoadSwitch) of each load switch;
+        ``trees``: the TreeSwitch of lone requests' speculation trees."""
         self.tokens = meter.create_counter(
             "specmesh.tokens.generated", unit="{token}", description="Completion tokens streamed")
         self.proposed = meter.create_counter(
@@ -125,6 +127,14 @@ class GatewayMetrics:
                 "Tokens per request-second the load switch measured with and without drafts",
                 switch_rates)
 
+        def tree_mode():
+            switch = trees()
+            return [] if switch is None or not switch.rate else [(float(switch.incumbent), {})]
+
+        _gauges(meter, "specmesh.spec_cache.trees", "1",
+                "Whether lone requests' drafting rounds draft a speculation tree beside their "
+                "verify (1) or not (0), as measured, between explorations", tree_mode)
+
     def round(self, proposed: int, accepted: int, kept: int, seconds: float) -> None:
         # drafted "false": a round without drafts (the fallback, a lead round, target-only)
         self.rounds.add(1, {"drafted": "true" if proposed else "false"})
@@ -189,6 +199,15 @@ class ModelServiceMetrics:
             _counters(meter, f"specmesh.{kind}.plain_passes", "{pass}",
                       "Passes without drafts run so far, by the torch threads they ran on",
                       lambda: [(n, {"threads": threads}) for threads, n in plain.passes.items()])
+            _gauges(meter, f"specmesh.{kind}.draft_pass_threads", "{thread}",
+                    "torch threads kept for passes that verify drafts, per batch level, "
+                    "between explorations",
+                    lambda: [(plain.kept(level, drafts=True), {"batch_level": level})
+                             for level in plain.draft_switches])
+            _counters(meter, f"specmesh.{kind}.draft_passes", "{pass}",
+                      "Passes that verify drafts run so far, by the torch threads they ran on",
+                      lambda: [(n, {"threads": threads})
+                               for threads, n in plain.draft_passes.items()])
         if prefix is not None:
             _counter(meter, f"specmesh.{kind}.prefix.lookup_tokens", "{token}",
                      "Prompt tokens of fresh sessions looked up in the prefix cache",

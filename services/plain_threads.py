@@ -1,4 +1,4 @@
-"""How many torch threads a verifier's passes without drafts run on (``--plain-threads``).
+"""How many torch threads a verifier's decode passes run on (``--plain-threads``).
 
 A pass that verifies no drafts (target-only rounds, and every round while drafts do not pay
 under load) has no drafter working beside it: the cores a drafter would use are free. On
@@ -13,8 +13,18 @@ size (1, 2-3, 4-7, 8-15, ... sessions a pass), and each epoch's rate is the sess
 of its passes over their cycles, from one plain pass's start to the next one's: the time the
 rest of the mesh took between them counts. The faster mode is kept, the
 other tried again now and then; the wide one only when it serves at least MIN_GAIN times
-what the narrow one does (it costs more CPU). A pass that verifies
-drafts, or feeds a prompt, runs as before and breaks the chain of cycles.
+what the narrow one does (it costs more CPU).
+
+Passes that verify drafts have switches of their own, rated in session-rounds (a round's
+tokens do not depend on the threads), unless a drafter drafts beside them: a call whose
+gateway drafts the session's next round meanwhile (its speculation tree) says so
+(``VerifyCall.beside``), and its pass runs on the process's threads, the drafter's core
+being busy. Without a tree beside, the drafter's core is free for the verify: on a target
+of ~240M parameters with the demo drafter, a 4-token verify took 17 ms on two threads
+against 27 on one, and rounds ran 43 a second against 31 (docs/performance.md,
+2026-11-28); whether the gateway drafts trees it measures itself (gateway/tree_width.py
+``TreeSwitch``). A pass of the other kind, one beside a tree or one that feeds a prompt
+breaks the chain of cycles.
 """
 
 from __future__ import annotations
@@ -46,8 +56,12 @@ class PlainThreads:
         self._steal = steal  # services/steal.py ``read``: epochs' rates net of steal
         # one switch per batch size level: a pass's rate depends on how many sessions it carries
         self.switches: dict[int, EpochSwitch] = {}
-        self._previous: tuple[float, int] | None = None  # the last plain pass: start, rows
+        # passes that verify drafts: switches of their own (the drafter works beside them)
+        self.draft_switches: dict[int, EpochSwitch] = {}
+        # the last pass of the chain: start, rows, whether it verified drafts
+        self._previous: tuple[float, int, bool] | None = None
         self.passes = {narrow: 0, wide: 0}  # plain passes run on each
+        self.draft_passes = {narrow: 0, wide: 0}  # passes with drafts run on each
 
     @staticmethod
     def level(rows: int) -> int:
@@ -55,32 +69,36 @@ class PlainThreads:
         levels 1, 2, 3, 4, ..."""
         return max(1, rows).bit_length()
 
-    def switch(self, rows: int) -> EpochSwitch:
-        """The switch of passes of ``rows`` sessions."""
+    def switch(self, rows: int, drafts: bool = False) -> EpochSwitch:
+        """The switch of passes of ``rows`` sessions (``drafts``: passes that verify
+        drafts)."""
         level = self.level(rows)
-        found = self.switches.get(level)
+        switches = self.draft_switches if drafts else self.switches
+        found = switches.get(level)
         if found is None:
-            found = self.switches[level] = EpochSwitch(
+            found = switches[level] = EpochSwitch(
                 epoch_s=self._epoch_s, min_rounds=self._min_passes, on_margin=MIN_GAIN,
                 steal=self._steal)
         return found
 
-    def kept(self, level: int) -> int:
+    def kept(self, level: int, drafts: bool = False) -> int:
         """The threads kept between explorations for passes of batch size ``level``."""
-        switch = self.switches.get(level)
+        switch = (self.draft_switches if drafts else self.switches).get(level)
         return self.wide if switch is not None and switch.incumbent else self.narrow
 
-    def plain(self, now: float, rows: int) -> int:
-        """Threads for a pass without drafts of ``rows`` sessions starting ``now``."""
-        if self._previous is not None:
-            started, n = self._previous
-            self.switch(n).observe(started, now - started, n)
-        switch = self.switch(rows)
+    def plain(self, now: float, rows: int, drafts: bool = False) -> int:
+        """Threads for a pass of ``rows`` sessions starting ``now``, without drafts or
+        (``drafts``) verifying drafts. A cycle runs from one pass's start to the next's of
+        the same kind; a pass of the other kind ends the chain."""
+        if self._previous is not None and self._previous[2] == drafts:
+            started, n, _ = self._previous
+            self.switch(n, drafts).observe(started, now - started, n)
+        switch = self.switch(rows, drafts)
         threads = self.wide if switch.mode(now) else self.narrow
-        self._previous = (now, rows)
+        self._previous = (now, rows, drafts)
         if switch.kept_changed():
-            self._log_kept(self.level(rows), switch)
-        self.passes[threads] += 1
+            self._log_kept(self.level(rows), switch, drafts)
+        (self.draft_passes if drafts else self.passes)[threads] += 1
         return threads
 
     def other(self) -> None:
@@ -88,9 +106,10 @@ class PlainThreads:
         does not continue the last one's."""
         self._previous = None
 
-    def _log_kept(self, level: int, switch: EpochSwitch) -> None:
+    def _log_kept(self, level: int, switch: EpochSwitch, drafts: bool) -> None:
         low = 1 << (level - 1)
-        log.info("passes without drafts of %d-%d sessions now run on %d torch threads "
-                 "(session-tokens per second: %.0f on %d, %.0f on %d)", low, 2 * low - 1,
-                 self.kept(level), switch.rate[True], self.wide, switch.rate[False],
-                 self.narrow)
+        log.info("passes %s drafts of %d-%d sessions now run on %d torch threads "
+                 "(%s per second: %.0f on %d, %.0f on %d)", "with" if drafts else "without",
+                 low, 2 * low - 1, self.kept(level, drafts),
+                 "session-rounds" if drafts else "session-tokens", switch.rate[True],
+                 self.wide, switch.rate[False], self.narrow)

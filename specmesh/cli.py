@@ -191,7 +191,8 @@ def gateway(
     pipeline: Annotated[bool, typer.Option(
         "--pipeline/--no-pipeline", envvar="SPECMESH_PIPELINE",
         help="Speculation cache: while the verifier checks a round, the model drafter drafts "
-             "the next round for its likely outcomes; a hit needs no draft call.")] = True,
+             "the next round for its likely outcomes; a hit needs no draft call. Whether a "
+             "lone request's rounds draft such a tree, the gateway measures as it serves.")] = True,
     lead_round: Annotated[bool, typer.Option(
         "--lead-round/--no-lead-round", envvar="SPECMESH_LEAD_ROUND",
         help="A session no drafter holds yet starts with a round that verifies no drafts "

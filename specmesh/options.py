@@ -126,10 +126,11 @@ PrefillThreads = Annotated[int, typer.Option(
          "reading the weights; 0 = --threads.")]
 PlainThreads = Annotated[int, typer.Option(
     "--plain-threads", envvar="SPECMESH_PLAIN_THREADS", min=0,
-    help="torch CPU threads to try for a forward pass that verifies no drafts (target-only "
-         "rounds, and rounds while drafts do not pay), when more than --threads: no drafter "
-         "works beside such a pass. The verifier measures its throughput both ways as it "
-         "serves and keeps the faster; 0 = --threads.")]
+    help="torch CPU threads to try for a decode pass no drafter works beside, when more "
+         "than --threads: one that verifies no drafts (target-only rounds, and rounds while "
+         "drafts do not pay), or drafts with no speculation tree drafted beside it. The "
+         "verifier measures its throughput both ways as it serves, per kind of pass, and "
+         "keeps the faster; 0 = --threads.")]
 Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                       help="auto: Llama-architecture models run a lean forward "
                                            "(less Python per call; on a CPU with weights "

@@ -1,4 +1,4 @@
-"""A verifier's threads for passes without drafts (services/plain_threads.py): the choice by
+"""A verifier's threads for its decode passes (services/plain_threads.py): the choice by
 measured throughput (pure logic on a simulated clock), and which passes it applies to (a
 real verifier engine and model runner on a table model, recording the torch threads each
 pass ran on)."""
@@ -113,35 +113,69 @@ def _call(prefix, base: int, drafts=(), max_tokens: int = 1) -> VerifyCall:
                       seed=1, max_tokens=max_tokens)
 
 
-def test_only_passes_that_verify_no_drafts_run_on_the_plain_threads():
-    """A verifier whose plain passes always win on more threads (a simulated first epoch
-    is wide): a call with drafts runs on the process's threads, a call of four plain tokens
-    four passes on the wider count; the tokens are the target's chain either way."""
+class _Chosen(PlainThreads):
+    """Plain passes on the process's threads, passes with drafts on one more (as if each
+    kind's switch had measured that), recording what each pass was asked as."""
+
+    def __init__(self, narrow: int) -> None:
+        super().__init__(narrow, narrow + 1)
+        self.asked: list[tuple[int, bool]] = []
+
+    def plain(self, now: float, rows: int, drafts: bool = False) -> int:
+        self.asked.append((rows, drafts))
+        return self.wide if drafts else self.narrow
+
+
+def test_passes_with_drafts_and_without_each_run_on_their_own_choice():
+    """A verifier whose choice for passes with drafts is wide and for passes without is
+    narrow: the pass with drafts runs on the wider count, the four passes of a call of four
+    plain tokens on the process's; the tokens are the target's chain either way."""
     target, _ = tables(vocab=48, seed=3, noise=1.5)
     lm = _ThreadsLM(target.a, target.b)
     narrow = torch.get_num_threads()
-    pt = PlainThreads(narrow, narrow + 1, epoch_s=60.0)
+    pt = _Chosen(narrow)
     runner = ModelRunner(lm, _meta(lm, "target"), torch.device("cpu"), max_queue=8,
                          max_batch=4, plain=pt)
     engine = VerifierEngine(runner, SessionCaches(8, runner.new_kv), max_draft_tokens=8)
     prompt = [1, 2, 3, 4, 5]
-    chain = greedy_chain(target, prompt, 8)
+    chain = greedy_chain(target, prompt, 12)
 
     async def main():
-        first = await engine.verify(_call(prompt, 0, drafts=chain[:3]))
-        held = [*prompt, *chain[:first.num_accepted]]
-        plain = await engine.verify(_call([*held, first.extra_token], len(held), max_tokens=4))
-        return first, plain
+        warm = await engine.verify(_call(prompt, 0))  # the prompt's pass: neither kind
+        held = [*prompt, warm.extra_token]
+        first = await engine.verify(_call(held, len(held) - 1, drafts=chain[1:4]))
+        held = [*held, *chain[1:1 + first.num_accepted], first.extra_token]
+        plain = await engine.verify(_call(held, len(held) - 1, max_tokens=4))
+        return warm, first, plain
 
-    first, plain = asyncio.run(main())
-    got = [*chain[:first.num_accepted], first.extra_token, plain.extra_token, *plain.more]
-    assert got == chain[:len(got)]
+    warm, first, plain = asyncio.run(main())
+    got = [warm.extra_token, *chain[1:1 + first.num_accepted], first.extra_token,
+           plain.extra_token, *plain.more]
+    assert len(got) > 6 and got == chain[:len(got)]
+    assert pt.asked == [(1, False), (1, True), *[(1, False)] * 4]
     drafted = [threads for threads, drafts in lm.passes if drafts]
-    undrafted = [threads for threads, drafts in lm.passes if not drafts]
-    assert drafted == [narrow]
-    assert undrafted == [narrow + 1] * 4
-    assert pt.passes == {narrow: 0, narrow + 1: 4}
+    undrafted = [threads for threads, drafts in lm.passes[1:] if not drafts]
+    assert drafted == [narrow + 1]
+    assert undrafted == [narrow] * 4
     assert torch.get_num_threads() == narrow  # put back after each pass
+
+
+def test_passes_with_drafts_keep_their_own_choice_and_their_own_cycles():
+    """Wide threads pay for passes with drafts and not for plain ones of the same batch
+    size: alternating bursts of each, each kind keeps its own choice, and a burst's first
+    cycle is not measured from the other kind's last pass."""
+    pt = PlainThreads(1, 2, epoch_s=0.05, min_passes=4)
+    cost = {(True, 2): 20.0, (True, 1): 30.0, (False, 2): 6.0, (False, 1): 5.0}
+    now = 0.0
+    for burst in range(40):
+        drafts = bool(burst % 2)
+        for _ in range(30):
+            threads = pt.plain(now, 1, drafts=drafts)
+            now += cost[(drafts, threads)] / 1000.0
+    assert pt.kept(1, drafts=True) == 2
+    assert pt.kept(1) == 1
+    assert pt.switch(1, drafts=True).rate[True] == pytest.approx(50.0)  # one row per 20 ms
+    assert pt.draft_passes[2] > pt.draft_passes[1] and pt.passes[1] > pt.passes[2]
 
 
 def test_a_verifier_exports_its_choice_and_its_plain_passes():

@@ -1,13 +1,18 @@
-"""The speculation tree's width (gateway/tree_width.py): as wide as ends with the verify."""
+"""The speculation tree (gateway/tree_width.py): as wide as ends with the verify, and
+whether to draft one at all, measured."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from gateway.tree_width import FLOOR, TreeWidth
+from gateway.round_plan import RoundPlan
+from gateway.session_rounds import SessionRounds
+from gateway.tree_width import FLOOR, TreeSwitch, TreeWidth
 from services.params import SamplingParams
+from services.session_store import SessionHandle
 from tests.round_harness import Harness, greedy_chain, tables
 
 PROMPT = [3, 17, 5, 42, 9]
@@ -91,3 +96,111 @@ def test_the_round_runner_asks_for_the_width_and_reports_each_trees_lateness():
     assert all(b == 5 and ms >= 0.0 for b, ms in width.reports)
     lead = rounds[0].prefetch
     assert lead is not None and lead.width == 0  # the lead round's guess: not reported
+
+
+
+class _Fixed(TreeSwitch):
+    """The tree switch with a fixed answer, recording the units the rounds report."""
+
+    def __init__(self, on: bool) -> None:
+        super().__init__()
+        self.fixed, self.units = on, []
+
+    def mode(self, now: float) -> bool:
+        return self.fixed
+
+    def observe(self, started: float, cycle_s: float, tokens: int, cut: bool = False) -> None:
+        self.units.append((started, cycle_s, tokens))
+
+
+def _beside_calls(harness: Harness) -> list[tuple[int, bool]]:
+    """Records (drafts, beside) of every Verify call the harness's verifier gets."""
+    calls, verify_many = [], harness.verifier.verify_many
+
+    async def recording(batch):
+        calls.extend((len(c.draft_ids), c.beside) for c in batch)
+        return await verify_many(batch)
+
+    harness.verifier.verify_many = recording
+    return calls
+
+
+@pytest.mark.parametrize("trees", [True, False])
+def test_the_tree_switch_decides_whether_a_tree_runs_beside_each_verify(trees):
+    """With the switch on, drafting rounds ask the drafter for a tree and tell the verifier
+    that one runs beside their verify; off, no round asks for one (each drafts afresh) and
+    no verify is told so. Each drafting round is a unit of the switch, from its start to the
+    next round's, with its tokens. The output is the target's either way."""
+    target, draft = tables(vocab=48, seed=3, noise=1.5)
+    harness = Harness(target, draft, pipeline=True, fanout=16)
+    harness.runner.trees = switch = _Fixed(trees)
+    calls = _beside_calls(harness)
+    starts = []
+
+    async def run():
+        s = SessionRounds(SessionHandle(session_id="s1", version=1, tokens=list(PROMPT)))
+        rounds = []
+        while len(s.tokens) - len(PROMPT) < 40:
+            starts.append(time.perf_counter())
+            r = await harness.runner.run(s, RoundPlan(SamplingParams(), 3, "model", 7,
+                                                      acceptance=0.8), lambda: None)
+            s.advance(r, r.proposed, starts[-1])
+            rounds.append(r)
+        return s.handle, rounds
+
+    h, rounds = asyncio.run(run())
+    assert h.tokens[len(PROMPT):][:40] == greedy_chain(target, PROMPT, 40)
+    speculated = [e for e in harness.events if e == ("Speculate", "start")]
+    drafted = [beside for n, beside in calls if n]
+    assert len(drafted) > 5 and all(beside == trees for beside in drafted)
+    assert not any(beside for n, beside in calls if not n)  # (the lead round: no drafts)
+    assert bool(speculated) == trees
+    asked = [i for i, r in enumerate(rounds) if r.trees is not None]
+    assert asked and all(rounds[i].trees == trees for i in asked)
+    # a unit per round that asked, measured when the next round starts, with its tokens
+    units = [(starts[i], len(rounds[i].proposed)) for i in asked if i + 1 < len(rounds)]
+    assert [(u[0], u[2]) for u in switch.units] == units
+    assert all(0 < u[1] < 60 for u in switch.units)
+
+
+def test_a_tree_switch_keeps_no_trees_where_rounds_without_them_run_faster():
+    """Rounds of 3 tokens: 30 ms with a tree beside the verify (the verify on one thread),
+    20 ms without (on two): after its explorations the switch keeps no trees; where trees
+    win (8 against 10 ms) it keeps them."""
+    for with_tree, without, kept in ((30.0, 20.0, False), (8.0, 10.0, True)):
+        switch, now = TreeSwitch(), 0.0
+        for _ in range(2000):
+            on = switch.mode(now)
+            cycle = (with_tree if on else without) / 1000.0
+            switch.observe(now, cycle, 3)
+            now += cycle
+        assert switch.incumbent is kept
+
+
+def test_the_gateway_exports_the_tree_switchs_choice():
+    """What an operator reads: nothing until the switch has measured, then 1 while trees
+    are kept and 0 while they are not."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from services.metrics import GatewayMetrics
+
+    reader = InMemoryMetricReader()
+    switch = TreeSwitch()
+    GatewayMetrics(MeterProvider(metric_readers=[reader]).get_meter("test"), lambda: 0,
+                   trees=lambda: switch)
+
+    def read() -> list[float]:
+        return [p.value for rm in reader.get_metrics_data().resource_metrics
+                for sm in rm.scope_metrics for m in sm.metrics
+                if m.name == "specmesh.spec_cache.trees" for p in m.data.data_points]
+
+    assert read() == []
+    now = 0.0
+    for _ in range(2000):  # rounds 30 ms with a tree, 20 without
+        cycle = (30.0 if switch.mode(now) else 20.0) / 1000.0
+        switch.observe(now, cycle, 3)
+        now += cycle
+    assert read() == [0.0]
+    switch.rate, switch.on = {True: 150.0, False: 100.0}, True  # (trees kept, not exploring)
+    assert not switch.exploring and read() == [1.0]

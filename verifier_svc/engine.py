@@ -194,6 +194,7 @@ class _VerifyJob(FeedJob):
         self.more: list[int] = []  # tokens decoded after the extra token
         self.logprobs: tuple[TokenLogprobs, ...] = ()
         self.limit = call.max_tokens  # tokens to return (a decode-ahead's taker may ask fewer)
+        self.beside = call.beside and bool(call.draft_ids)  # a tree runs beside its pass
         self._stopped = False
 
     @property
