@@ -60,8 +60,9 @@ class GenerationEngine:
         self.drafters = drafters
         self.verifiers = verifiers
         self.store = store
+        clock = steal.Clock()  # one steal clock for the gateway's switches
         self.rounds = RoundRunner(config, drafters, verifiers, lambda: self._inflight,
-                                  index=store.client)
+                                  index=store.client, steal=clock)
         meter = meter or metrics_api.NoOpMeterProvider().get_meter("specmesh")
         self.metrics = GatewayMetrics(
             meter, lambda: self._inflight,
@@ -73,8 +74,7 @@ class GenerationEngine:
                                      first=lambda: steps_sent(self._step_batchers))
         self.telemetry = RequestTelemetry(tracer or trace.get_tracer("specmesh"), self.metrics,
                                           limits.model)
-        self.k = DraftLength(config, limits, drafters, lambda: self._inflight,
-                             steal=steal.Clock())
+        self.k = DraftLength(config, limits, drafters, lambda: self._inflight, steal=clock)
         verifiers.merge_plain = self.k.merge_plain
         verifiers.lone = drafters.lone = lambda: self._inflight <= 1
         self._inflight = 0

@@ -48,7 +48,6 @@ from gateway.round_plan import RoundPlan, cache_delta, fanout_share, held, part,
 from gateway.round_result import RoundResult, SpecCache
 from gateway.session_rounds import SessionRounds
 from gateway.tree_width import TreeSwitch, TreeWidth
-from services import steal
 from services.config import GatewayConfig
 from services.errors import Busy, DeadlineExceeded, ResyncRequired, Unavailable
 from services.messages import (
@@ -70,17 +69,19 @@ ADMIT_WAIT_S = 5.0  # a call waits this long for a replica being admitted when n
 class RoundRunner:
     def __init__(self, config: GatewayConfig, drafters: ReplicaPool,
                  verifiers: ReplicaPool, requests: Callable[[], int] = lambda: 1,
-                 index: aioredis.Redis | None = None) -> None:
+                 index: aioredis.Redis | None = None,
+                 steal: Callable[[], tuple[int, int] | None] | None = None) -> None:
         """``requests``: how many requests the gateway runs now (trees back off under load).
-        ``index``: the Redis holding the replicas' prefix index (None: route by load)."""
+        ``index``: the Redis holding the replicas' prefix index (None: route by load).
+        ``steal``: the gateway's steal clock (services/steal.py ``Clock``), which the tree
+        switch takes its epochs net of."""
         self.config = config
         self.drafters = drafters
         self.verifiers = verifiers
         self._requests = requests
         self._index = index
         self.width = TreeWidth(config.spec_fanout)  # the trees' fan-out, as fits the verify
-        # whether lone requests' rounds draft trees at all (epochs net of a VM's steal)
-        self.trees = TreeSwitch(steal=steal.Clock())
+        self.trees = TreeSwitch(steal=steal)  # whether lone requests' rounds draft trees
 
     async def run(self, s: SessionRounds, plan: RoundPlan,
                   deadline: Callable[[], float | None]) -> RoundResult:
@@ -117,9 +118,9 @@ class RoundRunner:
         drafted = draft if draft is not None and draft.token_ids else None
         ahead_tokens = plan.ahead if drafted is None else 0  # decoded ahead: no drafts
         ahead_seed = round_seed(seed, round_index + 1, "verify") if ahead_tokens else 0
-        tree, fanout, trees = None, 0, None
+        tree_drafter, fanout, trees = None, 0, None
         if drafted is not None and self.config.pipeline and h.drafter.replica:
-            tree, fanout, trees = self._tree(h, k, mid)
+            tree_drafter, fanout, trees = self._tree(h, k, mid)
         verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
                               deadline, logprobs, 1 if drafted is not None else tokens,
                               ahead=ahead_tokens, ahead_seed=ahead_seed, beside=fanout > 0)
@@ -127,7 +128,7 @@ class RoundRunner:
         if fanout:
             valid = old if fresh else min(h.drafter.length, old)
             ahead = asyncio.ensure_future(self._speculate(
-                h, tree, fanout, params, drafted, valid, k,
+                h, tree_drafter, fanout, params, drafted, valid, k,
                 round_seed(seed, round_index + 1, "draft"), acceptance, deadline))
         try:
             result = await verify

@@ -66,7 +66,6 @@ class TreeWidth:
             self.width = min(float(self.most), self.width + self.grow)
 
 
-
 class TreeSwitch(EpochSwitch):
     """Whether lone requests' drafting rounds draft the next round's tree beside the verify
     (``on``), measured as they run (services/epoch_switch.py: epochs of each, tokens per
