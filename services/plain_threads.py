@@ -20,9 +20,9 @@ tokens do not depend on the threads), unless a drafter drafts beside them: a cal
 gateway drafts the session's next round meanwhile (its speculation tree) says so
 (``VerifyCall.beside``), and its pass runs on the process's threads, the drafter's core
 being busy. Without a tree beside, the drafter's core is free for the verify: on a target
-of ~240M parameters with the demo drafter, a 4-token verify took 17 ms on two threads
-against 27 on one, and rounds ran 43 a second against 31 (docs/performance.md,
-2026-11-28); whether the gateway drafts trees it measures itself (gateway/tree_width.py
+of ~240M parameters with the demo drafter, a 4-token verify took 16.7 ms on two threads
+against 29.1 on one (in process), and in the mesh rounds ran 43 a second against 31
+(docs/performance.md, 2026-11-28); whether the gateway drafts trees it measures itself (gateway/tree_width.py
 ``TreeSwitch``). A pass of the other kind, one beside a tree or one that feeds a prompt
 breaks the chain of cycles.
 """
