@@ -211,7 +211,8 @@ class RoundRunner:
               ) -> tuple[Replica | None, int, bool | None]:
         """Where to draft the next round's tree beside this round's verify: the model
         drafter that holds the session, the branches to ask it for (0: no tree), and the
-        tree switch's mode when it was asked (None: no tree could run, so it was not)."""
+        tree switch's mode when it was asked (None: no tree could run, or
+        --no-tree-switch)."""
         replica = self.drafters.replicas.get(h.drafter.replica)
         if (replica is None or replica.info is None or replica.info.kind != "model"
                 or k > replica.info.max_draft_tokens):
@@ -219,6 +220,8 @@ class RoundRunner:
         fanout = self._fanout(replica)
         if not fanout:
             return None, 0, None
+        if not self.config.tree_switch:
+            return replica, fanout, None
         trees = self.trees.mode(now)
         if self.trees.kept_changed():
             log.info("lone requests' drafting rounds now run %s a speculation tree beside "

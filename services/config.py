@@ -235,6 +235,7 @@ class GatewayConfig:
     lead_round: bool = True  # a new session's first round: verifier alone, drafter beside it
     spec_fanout: int = 16  # most branches of the speculation cache per round
     spec_max_requests: int = 1  # trees only while the gateway runs at most this many requests
+    tree_switch: bool = True  # measure whether lone requests' trees pay (off: always draft them)
     step_batching: bool = True  # Draft/Verify calls made meanwhile go as one RPC per step
     plain_tokens: int = 8  # a round without drafts asks the verifier for up to this many tokens
     decode_ahead: bool = True  # the verifier starts a plain round's next one once it answers

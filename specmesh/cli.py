@@ -191,8 +191,13 @@ def gateway(
     pipeline: Annotated[bool, typer.Option(
         "--pipeline/--no-pipeline", envvar="SPECMESH_PIPELINE",
         help="Speculation cache: while the verifier checks a round, the model drafter drafts "
-             "the next round for its likely outcomes; a hit needs no draft call. Whether a "
-             "lone request's rounds draft such a tree, the gateway measures as it serves.")] = True,
+             "the next round for its likely outcomes; a hit needs no draft call.")] = True,
+    tree_switch: Annotated[bool, typer.Option(
+        "--tree-switch/--no-tree-switch", envvar="SPECMESH_TREE_SWITCH",
+        help="With --pipeline: measure, as it serves, whether a lone request's rounds serve "
+             "more with such a tree or without (the tree holds the drafter's core, which the "
+             "verifier's pass could use), and keep the faster. Off: always draft trees (a "
+             "drafter with hardware of its own).")] = True,
     lead_round: Annotated[bool, typer.Option(
         "--lead-round/--no-lead-round", envvar="SPECMESH_LEAD_ROUND",
         help="A session no drafter holds yet starts with a round that verifies no drafts "
@@ -294,7 +299,7 @@ def gateway(
             api_keys=load_api_keys(api_keys) if api_keys else (),
             drafters=parse_addresses(drafters), verifiers=parse_addresses(verifiers),
             num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
-            spec_fallback=spec_fallback,
+            spec_fallback=spec_fallback, tree_switch=tree_switch,
             max_support=max_support,
             default_drafter_kind=default_drafter_kind, pipeline=pipeline, spec_fanout=spec_fanout,
             step_batching=step_batching, spec_max_requests=spec_max_requests,

@@ -154,7 +154,8 @@ class Harness:
         self.drafter = _engine(DrafterEngine, draft, "draft")
         self.config = GatewayConfig(server=ServerConfig(port=1), redis_url="redis://unused",
                                     verifiers=("verifier",), drafters=("drafter",),
-                                    pipeline=pipeline, spec_fanout=fanout)
+                                    pipeline=pipeline, spec_fanout=fanout,
+                                    tree_switch=False)  # (trees as asked; tests set a switch)
         pools = {}
         self.events: list[tuple[str, str]] = []  # both replicas' calls, in order
         for kind, engine, servicer in (

@@ -35,12 +35,14 @@ def _pipeline_counts(port: int) -> dict[str, float]:
 
 @pytest.fixture(scope="module", params=["self-draft", "tiny-pair"])
 def pipelined(request, tiny_pair, redis_url, tmp_path_factory):
-    """Two gateways on the same drafter and verifier: --pipeline and --no-pipeline."""
+    """Two gateways on the same drafter and verifier: --pipeline (trees in every round:
+    --no-tree-switch) and --no-pipeline."""
     target, draft = tiny_pair
     drafter = target if request.param == "self-draft" else draft
     metrics, log_dir = free_port(), tmp_path_factory.mktemp("pipe")
     spec = MeshSpec(target=target, draft=drafter, port=free_port(), redis_url=redis_url,
-                    log_dir=log_dir, extra_gateway_args=("--metrics-port", str(metrics)))
+                    log_dir=log_dir, extra_gateway_args=("--metrics-port", str(metrics),
+                                                         "--no-tree-switch"))
     mesh = start_mesh(spec)
     try:
         plain = add_gateway(mesh, spec, free_port(), ("--no-pipeline",), log_dir, "plain")

@@ -4,6 +4,7 @@ whether to draft one at all, measured."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -96,6 +97,7 @@ def test_the_round_runner_asks_for_the_width_and_reports_each_trees_lateness():
     assert all(b == 5 and ms >= 0.0 for b, ms in width.reports)
     lead = rounds[0].prefetch
     assert lead is not None and lead.width == 0  # the lead round's guess: not reported
+    assert all(r.trees is None for r in rounds)  # --no-tree-switch: no switch asked
 
 
 
@@ -133,6 +135,7 @@ def test_the_tree_switch_decides_whether_a_tree_runs_beside_each_verify(trees):
     next round's, with its tokens. The output is the target's either way."""
     target, draft = tables(vocab=48, seed=3, noise=1.5)
     harness = Harness(target, draft, pipeline=True, fanout=16)
+    harness.runner.config = dataclasses.replace(harness.config, tree_switch=True)
     harness.runner.trees = switch = _Fixed(trees)
     calls = _beside_calls(harness)
     starts = []
