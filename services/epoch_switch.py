@@ -12,8 +12,13 @@ quarter (``cut_early``): the rest would only cost more. On the demo pair on a 2-
 drafting ran at 0.52-0.57 of not drafting at 8 streams (0.49-0.55 at 16), and each
 half-epoch exploration, with the drafter's catch-up on every session before it, cost a
 2-second bench cell 3-11% of its tokens (docs/performance.md). A tie goes to the mode that
-is off (``on`` False), the cheaper one; with ``on_margin`` above 1 the mode
-that is on must win by that factor.
+is off (``on`` False), the cheaper one; with ``on_margin`` above 1 the mode that is on must
+win by that factor to be taken, and once kept it stays until the mode that is off serves
+more: a band against noise. Without it, a verifier's two-thread passes, taken at 1.26x and
+1.24x of one thread's rate at 16 streams, were dropped at the next comparisons, where they
+measured 1.01x and 1.07x; there the mesh served 1,078 and 1,196 tokens/s against 1,371 and
+1,239 with two threads always (AVX2 EPYC, 2026-11-28). The band's own effect was not
+resolved on that machine, whose speed swung by up to 1.8x between runs (docs/performance.md).
 A switch whose first mode came from evidence (``patient``) measures the other mode on the
 usual schedule, after ``first_explore`` epochs, not at once.
 
@@ -53,6 +58,7 @@ class EpochSwitch:
     far_margin: float = 0.6  # ... and while below this share, up to ``max_far`` epochs
     max_far: int = 64
     on_margin: float = 1.0  # the mode that is on must beat the other's rate by this factor
+    #                         to be taken (to be kept: by any)
     cut_below: float = 0.8  # an explored epoch running below this share of the incumbent's
     #                         rate after half an epoch ends there (0: never)
     cut_early: float = 0.6  # ... below this share, after a quarter of an epoch
@@ -165,10 +171,10 @@ class EpochSwitch:
             self._exploring, self.on = True, not mode  # the other mode never measured: now
             return
         if old is None and len(self.rate) == 2 and not self.patient:
-            self._exploring, self.on = False, self._on_wins()  # both measured: the better begins
+            self._exploring, self.on = False, self._on_wins(taking=True)  # the better begins
             return
         if self._exploring:
-            best = self._on_wins()
+            best = self._on_wins(taking=not self.incumbent)
             if best != self.incumbent and not self._confirming:
                 # It won one epoch: one more of it confirms before it is kept, so that one
                 # epoch's luck (a cell's start, a burst on the other cores) does not hand it
@@ -191,5 +197,7 @@ class EpochSwitch:
         if self._streak >= self._every:
             self._exploring, self._streak, self.on = True, 0, not mode
 
-    def _on_wins(self) -> bool:
-        return self.rate[True] > self.on_margin * self.rate[False]
+    def _on_wins(self, taking: bool) -> bool:
+        """Whether the mode that is on serves more: by ``on_margin`` to be taken (``taking``),
+        by any margin to be kept."""
+        return self.rate[True] > (self.on_margin if taking else 1.0) * self.rate[False]

@@ -12,8 +12,9 @@ process's own) or ``wide`` ones (services/epoch_switch.py), one switch per level
 size (1, 2-3, 4-7, 8-15, ... sessions a pass), and each epoch's rate is the session-tokens
 of its passes over their cycles, from one plain pass's start to the next one's: the time the
 rest of the mesh took between them counts. The faster mode is kept, the
-other tried again now and then; the wide one only when it serves at least MIN_GAIN times
-what the narrow one does (it costs more CPU).
+other tried again now and then; the wide one is taken only when it serves at least MIN_GAIN
+times what the narrow one does (it costs more CPU), and kept until the narrow one serves
+more.
 
 Passes that verify drafts have switches of their own, rated in session-rounds (a round's
 tokens do not depend on the threads), unless a drafter drafts beside them: a call whose
@@ -37,7 +38,8 @@ from services.epoch_switch import EpochSwitch
 log = logging.getLogger(__name__)
 
 # More threads cost a pass nearly their count in CPU for a fraction of it in time: they are
-# kept only when they serve this much more.
+# taken only when they serve this much more, and then kept while they serve more at all
+# (services/epoch_switch.py ``on_margin``).
 MIN_GAIN = 1.1
 
 
