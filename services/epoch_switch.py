@@ -12,13 +12,7 @@ quarter (``cut_early``): the rest would only cost more. On the demo pair on a 2-
 drafting ran at 0.52-0.57 of not drafting at 8 streams (0.49-0.55 at 16), and each
 half-epoch exploration, with the drafter's catch-up on every session before it, cost a
 2-second bench cell 3-11% of its tokens (docs/performance.md). A tie goes to the mode that
-is off (``on`` False), the cheaper one; with ``on_margin`` above 1 the mode that is on must
-win by that factor to be taken, and once kept it stays until the mode that is off serves
-more: a band against noise. Without it, a verifier's two-thread passes, taken at 1.26x and
-1.24x of one thread's rate at 16 streams, were dropped at the next comparisons, where they
-measured 1.01x and 1.07x; there the mesh served 1,078 and 1,196 tokens/s against 1,371 and
-1,239 with two threads always (AVX2 EPYC, 2026-11-28). The band's own effect was not
-resolved on that machine, whose speed swung by up to 1.8x between runs (docs/performance.md).
+is off (``on`` False), the cheaper one.
 A switch whose first mode came from evidence (``patient``) measures the other mode on the
 usual schedule, after ``first_explore`` epochs, not at once.
 
@@ -35,8 +29,9 @@ gave to other guests meanwhile (steal, services/steal.py): with a ``steal`` cloc
 services pass ``steal.read``) each epoch's rate is divided by ``1 - share``, so that a burst
 of it does not decide for the mode that happened to run under it.
 
-Used by the gateway, whether loaded requests draft (gateway/load_switch.py), and by a
-verifier, whether its passes without drafts run on more threads (services/plain_threads.py).
+Used by the gateway: whether loaded requests draft (gateway/load_switch.py) and whether lone
+requests' rounds draft trees (gateway/tree_width.py). A verifier's thread choice, whose modes
+can take turns pass by pass, compares them side by side instead (services/paired_switch.py).
 """
 
 from __future__ import annotations
@@ -57,8 +52,6 @@ class EpochSwitch:
     wide_margin: float = 0.8  # (quadrupling while the other mode's rate is below this share)
     far_margin: float = 0.6  # ... and while below this share, up to ``max_far`` epochs
     max_far: int = 64
-    on_margin: float = 1.0  # the mode that is on must beat the other's rate by this factor
-    #                         to be taken (to be kept: by any)
     cut_below: float = 0.8  # an explored epoch running below this share of the incumbent's
     #                         rate after half an epoch ends there (0: never)
     cut_early: float = 0.6  # ... below this share, after a quarter of an epoch
@@ -105,7 +98,7 @@ class EpochSwitch:
         return type(self)(epoch_s=self.epoch_s, min_rounds=self.min_rounds, weight=self.weight,
                           first_explore=self.first_explore, max_explore=self.max_explore,
                           wide_margin=self.wide_margin, far_margin=self.far_margin,
-                          max_far=self.max_far, on_margin=self.on_margin,
+                          max_far=self.max_far,
                           cut_below=self.cut_below, cut_early=self.cut_early,
                           on=self.incumbent,
                           patient=True, rate=dict(self.rate), steal=self.steal,
@@ -171,10 +164,10 @@ class EpochSwitch:
             self._exploring, self.on = True, not mode  # the other mode never measured: now
             return
         if old is None and len(self.rate) == 2 and not self.patient:
-            self._exploring, self.on = False, self._on_wins(taking=True)  # the better begins
+            self._exploring, self.on = False, self._on_wins()  # both measured: the better begins
             return
         if self._exploring:
-            best = self._on_wins(taking=not self.incumbent)
+            best = self._on_wins()
             if best != self.incumbent and not self._confirming:
                 # It won one epoch: one more of it confirms before it is kept, so that one
                 # epoch's luck (a cell's start, a burst on the other cores) does not hand it
@@ -197,7 +190,5 @@ class EpochSwitch:
         if self._streak >= self._every:
             self._exploring, self._streak, self.on = True, 0, not mode
 
-    def _on_wins(self, taking: bool) -> bool:
-        """Whether the mode that is on serves more: by ``on_margin`` to be taken (``taking``),
-        by any margin to be kept."""
-        return self.rate[True] > (self.on_margin if taking else 1.0) * self.rate[False]
+    def _on_wins(self) -> bool:
+        return self.rate[True] > self.rate[False]

@@ -13,7 +13,6 @@ import redis.asyncio as aioredis
 import torch
 from opentelemetry import trace
 
-from services import steal
 from services.call_stream import Drain
 from services.config import ModelServiceConfig
 from services.convert import meta_to_pb, stats_to_pb
@@ -48,7 +47,7 @@ def plain_threads(config: ModelServiceConfig, device: torch.device) -> PlainThre
         return None
     log.info("passes without drafts are measured on %d and on %d torch threads; the faster "
              "is kept", narrow, config.plain_threads)
-    return PlainThreads(narrow, config.plain_threads, steal=steal.read)
+    return PlainThreads(narrow, config.plain_threads)
 
 
 def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]:

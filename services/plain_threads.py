@@ -7,14 +7,16 @@ on two threads against one, docs/performance.md), but whether the mesh then serv
 depends on the machine: the extra thread competes with the gateway, Redis and any other
 process for the same cores, and on some machines two threads were slower even alone.
 
-So the verifier measures. Its plain passes run in epochs on ``narrow`` threads (the
-process's own) or ``wide`` ones (services/epoch_switch.py), one switch per level of batch
-size (1, 2-3, 4-7, 8-15, ... sessions a pass), and each epoch's rate is the session-tokens
-of its passes over their cycles, from one plain pass's start to the next one's: the time the
-rest of the mesh took between them counts. The faster mode is kept, the
-other tried again now and then; the wide one is taken only when it serves at least MIN_GAIN
-times what the narrow one does (it costs more CPU), and kept until the narrow one serves
-more.
+So the verifier measures, one switch per level of batch size (1, 2-3, 4-7, 8-15, ...
+sessions a pass). Now and then an epoch's passes alternate between ``narrow`` threads (the
+process's own) and ``wide`` ones, pass by pass (services/paired_switch.py), and each count's
+rate is the session-tokens of its passes over their cycles, from a pass's start to the next
+one's: the time the rest of the mesh took between them counts. Between such epochs the
+faster count runs; the wide one is taken only when it serves at least MIN_GAIN times what
+the narrow one does (it costs more CPU), and kept until the narrow one serves more.
+Measured side by side, the two counts see the same machine: epochs of one count against
+epochs of the other (services/epoch_switch.py, used here before) measured a VM's swings
+and a bench cell's drift as much as the threads (docs/performance.md, 2026-11-28).
 
 Passes that verify drafts have switches of their own, rated in session-rounds (a round's
 tokens do not depend on the threads), unless a drafter drafts beside them: a call whose
@@ -31,35 +33,29 @@ breaks the chain of cycles.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
-from services.epoch_switch import EpochSwitch
+from services.paired_switch import PairedSwitch
 
 log = logging.getLogger(__name__)
 
 # More threads cost a pass nearly their count in CPU for a fraction of it in time: they are
-# taken only when they serve this much more, and then kept while they serve more at all
-# (services/epoch_switch.py ``on_margin``).
+# taken only when they serve this much more (and kept while they serve more at all).
 MIN_GAIN = 1.1
 
 
 class PlainThreads:
-    # Epochs of at least 1 s and 16 passes: with 0.5 s and 8, the rates of 16-session epochs
-    # swung by up to a fifth both ways and the choice flipped within seconds, so the mesh ran
-    # mostly on the thread count that serves less (docs/architecture.md, "Plain threads")
+    # Epochs of at least 1 s and 16 passes (an exploring one's: 8 of each count)
     def __init__(self, narrow: int, wide: int, epoch_s: float = 1.0,
-                 min_passes: int = 16,
-                 steal: Callable[[], tuple[int, int] | None] | None = None) -> None:
+                 min_passes: int = 16) -> None:
         if wide <= narrow:
             raise ValueError(f"plain threads ({wide}) must be more than the process's "
                              f"threads ({narrow})")
         self.narrow, self.wide = narrow, wide
         self._epoch_s, self._min_passes = epoch_s, min_passes
-        self._steal = steal  # services/steal.py ``read``: epochs' rates net of steal
         # one switch per batch size level: a pass's rate depends on how many sessions it carries
-        self.switches: dict[int, EpochSwitch] = {}
+        self.switches: dict[int, PairedSwitch] = {}
         # passes that verify drafts: switches of their own (the drafter works beside them)
-        self.draft_switches: dict[int, EpochSwitch] = {}
+        self.draft_switches: dict[int, PairedSwitch] = {}
         # the last pass of the chain: start, rows, whether it verified drafts
         self._previous: tuple[float, int, bool] | None = None
         self.passes = {narrow: 0, wide: 0}  # plain passes run on each
@@ -71,16 +67,15 @@ class PlainThreads:
         levels 1, 2, 3, 4, ..."""
         return max(1, rows).bit_length()
 
-    def switch(self, rows: int, drafts: bool = False) -> EpochSwitch:
+    def switch(self, rows: int, drafts: bool = False) -> PairedSwitch:
         """The switch of passes of ``rows`` sessions (``drafts``: passes that verify
         drafts)."""
         level = self.level(rows)
         switches = self.draft_switches if drafts else self.switches
         found = switches.get(level)
         if found is None:
-            found = switches[level] = EpochSwitch(
-                epoch_s=self._epoch_s, min_rounds=self._min_passes, on_margin=MIN_GAIN,
-                steal=self._steal)
+            found = switches[level] = PairedSwitch(
+                epoch_s=self._epoch_s, min_rounds=self._min_passes, on_margin=MIN_GAIN)
         return found
 
     def kept(self, level: int, drafts: bool = False) -> int:
@@ -108,7 +103,7 @@ class PlainThreads:
         does not continue the last one's."""
         self._previous = None
 
-    def _log_kept(self, level: int, switch: EpochSwitch, drafts: bool) -> None:
+    def _log_kept(self, level: int, switch: PairedSwitch, drafts: bool) -> None:
         low = 1 << (level - 1)
         log.info("passes %s drafts of %d-%d sessions now run on %d torch threads "
                  "(%s per second: %.0f on %d, %.0f on %d)", "with" if drafts else "without",

@@ -60,13 +60,14 @@ def test_narrow_passes_are_kept_where_wide_ones_serve_less_or_the_same():
 def test_a_pass_with_drafts_breaks_the_chain_of_cycles():
     """The cycle of a plain pass runs to the next plain pass only when no other pass came
     between: after one with drafts (``other``) the gap is not counted against the mode."""
-    pt = PlainThreads(1, 2, epoch_s=10.0, min_passes=1)
-    pt.plain(0.0, 8)
+    pt = PlainThreads(1, 2, epoch_s=10.0, min_passes=2)
+    assert [pt.plain(0.0, 8)] == [2]  # the first epoch explores: the counts take turns
     pt.other()
-    pt.plain(0.5, 8)  # not a 500 ms cycle of the first pass
-    pt.plain(0.51, 8)
-    pt.switch(8).mode(10.2)  # the epoch ends: its rate is the one 10 ms cycle
-    assert pt.switch(8).rate == {True: pytest.approx(800.0)}
+    chosen = [pt.plain(now, 8) for now in (0.5, 0.51, 0.52, 0.53)]  # 10 ms cycles
+    assert chosen == [1, 2, 1, 2]
+    pt.switch(8).mode(10.2)  # the epoch ends: each count's rate is of its 10 ms cycles
+    # (the first pass's 500 ms to the next would have rated two threads at 31)
+    assert pt.switch(8).rate == {True: pytest.approx(800.0), False: pytest.approx(800.0)}
 
 
 def test_each_batch_size_level_has_its_own_choice():

@@ -1,0 +1,119 @@
+"""Two modes of running the same work, compared side by side: in an exploring epoch the
+modes take turns unit by unit, so that both are measured under the same conditions.
+
+The epoch switch (services/epoch_switch.py) measures one mode per epoch and compares an
+epoch with the one before. Where the machine's own speed moves between epochs, that
+comparison measures the machine: on a 2-core AMD EPYC VM (AVX2) a verifier's 8-session
+passes took 5.9 ms in one run and 10.4 ms in another minutes later with the same threads,
+and its plain-thread switch, comparing 1-second epochs of one and of two threads at 16
+streams, took two threads at 1.26x and 1.24x of one thread's rate and measured them at 1.01x
+and 1.07x at the next comparisons (docs/performance.md, 2026-11-28).
+
+Here an exploring epoch alternates the modes, one unit each (a verifier's pass), and rates
+each mode by the tokens of its units over their cycle times (from a unit's start to the
+next one's): both modes' units are interleaved within milliseconds, so a change in the
+machine's speed weighs on both alike. Where switching costs nothing between units (the
+threads of the next pass) that is a paired comparison for the price of half an epoch in the
+worse mode. Between explorations the kept mode runs; the next exploration comes after
+``first_explore`` epochs, doubling while the kept mode keeps winning, up to ``max_explore``.
+The first epoch explores. A tie goes to the mode that is off, the cheaper one; with
+``on_margin`` above 1 the mode that is on is taken only when it serves that factor more, and
+once kept it stays until the mode that is off serves more (a band against noise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PairedSwitch:
+    epoch_s: float = 1.0
+    min_rounds: int = 16  # units of an epoch; an exploring one's of each mode: half of them
+    first_explore: int = 2  # epochs of the kept mode before the next exploration
+    max_explore: int = 16  # ... doubling while the kept mode keeps winning, up to this
+    on_margin: float = 1.0  # the mode that is on must serve this factor more to be taken
+    rate: dict[bool, float] = field(default_factory=dict)  # per mode: the last exploration's
+    _kept: bool = False  # the mode run between explorations
+    _exploring: bool = True  # this epoch alternates the modes
+    _measured: bool = False  # an exploration has compared the modes
+    _reported: bool | None = None  # the kept mode ``kept_changed`` last reported
+    _every: int = 0
+    _streak: int = 0
+    _start: float | None = None
+    _last: float = 0.0
+    _units: int = 0
+    _issued: tuple[float, bool] | None = None  # the last unit's start and mode
+    _tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    _busy_s: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    _count: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+
+    def __post_init__(self) -> None:
+        self._every = self._every or self.first_explore
+
+    @property
+    def incumbent(self) -> bool:
+        """The mode kept between explorations."""
+        return self._kept
+
+    @property
+    def exploring(self) -> bool:
+        """This epoch alternates the modes."""
+        return self._exploring
+
+    def kept_changed(self) -> bool:
+        """True once each time the kept mode changes, counted from the first exploration's
+        end: the caller's cue to log the choice."""
+        if not self._measured or self._reported == self._kept:
+            return False
+        self._reported = self._kept
+        return True
+
+    def mode(self, now: float) -> bool:
+        """The mode of a unit of work starting ``now``. An epoch interrupted for longer than
+        an epoch (the load moved elsewhere) starts again."""
+        if self._start is None or now - self._last > self.epoch_s:
+            self._begin(now)
+        elif now - self._start >= self.epoch_s and self._enough():
+            self._end_epoch()
+            self._begin(now)
+        self._last = now
+        mode = (not self._issued[1] if self._issued is not None else True) \
+            if self._exploring else self._kept
+        self._issued = (now, mode)
+        self._units += 1
+        return mode
+
+    def observe(self, started: float, cycle_s: float, tokens: int, cut: bool = False) -> None:
+        """The unit that began at ``started`` (the last one ``mode`` gave) took ``cycle_s`` to
+        the next one and yielded ``tokens``; ``cut``: not representative, not counted."""
+        if (not self._exploring or self._issued is None or self._issued[0] != started
+                or self._start is None or started < self._start or cycle_s <= 0 or cut):
+            return
+        mode = self._issued[1]
+        self._tokens[mode] += tokens
+        self._busy_s[mode] += cycle_s
+        self._count[mode] += 1
+
+    def _enough(self) -> bool:
+        if self._exploring:
+            return min(self._count.values()) >= max(1, self.min_rounds // 2)
+        return self._units >= self.min_rounds
+
+    def _begin(self, now: float) -> None:
+        self._start, self._units, self._issued = now, 0, None
+        for mode in (True, False):
+            self._tokens[mode], self._busy_s[mode], self._count[mode] = 0.0, 0.0, 0
+
+    def _end_epoch(self) -> None:
+        if not self._exploring:
+            self._streak += 1
+            if self._streak >= self._every:
+                self._exploring, self._streak = True, 0
+            return
+        self.rate = {mode: self._tokens[mode] / self._busy_s[mode] for mode in (True, False)}
+        taking = not (self._measured and self._kept)
+        best = self.rate[True] > (self.on_margin if taking else 1.0) * self.rate[False]
+        self._every = (min(self.max_explore, 2 * self._every)
+                       if self._measured and best == self._kept else self.first_explore)
+        self._kept, self._measured, self._exploring = best, True, False
