@@ -64,7 +64,7 @@ def test_a_pass_with_drafts_breaks_the_chain_of_cycles():
     assert [pt.plain(0.0, 8)] == [2]  # the first epoch explores: the counts take turns
     pt.other()
     chosen = [pt.plain(now, 8) for now in (0.5, 0.51, 0.52, 0.53)]  # 10 ms cycles
-    assert chosen == [1, 2, 1, 2]
+    assert chosen == [1, 1, 2, 1]  # (the Thue-Morse order: 2 1 1 2 1 2 2 1 ...)
     pt.switch(8).mode(10.2)  # the epoch ends: each count's rate is of its 10 ms cycles
     # (the first pass's 500 ms to the next would have rated two threads at 31)
     assert pt.switch(8).rate == {True: pytest.approx(800.0), False: pytest.approx(800.0)}
