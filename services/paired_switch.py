@@ -4,8 +4,8 @@ modes are interleaved unit by unit, so that both are measured under the same con
 The epoch switch (services/epoch_switch.py) measures one mode per epoch and compares an
 epoch with the one before. Where the machine's own speed moves between epochs, that
 comparison measures the machine: on a 2-core AMD EPYC VM (AVX2) a verifier's 8-session
-passes took 5.9 ms in one run and 10.4 ms in another minutes later with the same threads,
-and its plain-thread switch, comparing 1-second epochs of one and of two threads at 16
+passes took 5.9 ms in one run and 10.4 ms in another minutes apart (the same code), and its
+plain-thread switch, comparing 1-second epochs of one and of two threads at 16
 streams, took two threads at 1.26x and 1.24x of one thread's rate and measured them at 1.01x
 and 1.07x at the next comparisons (docs/performance.md, 2026-11-28).
 
@@ -18,11 +18,11 @@ verifier's passes come in chains (a plain round's 8 passes back to back, then a 
 the answers travel and the next calls arrive), and strict turns gave every gap to the
 chain's last pass, always the same mode: in a simulation of chains of 8 units of 10 ms with
 a gap of 8 ms after each, two equal modes measured 1.19x apart (40 ms gaps: 1.94x). The
-Thue-Morse order gives each mode half of any aligned run of 2^k units and of every 8th unit; units
-drawn at random were as unbiased but spread the ratio by 5% (one-second epochs) where the
-chains are regular. Where switching costs nothing between units (the
-threads of the next pass) that is a paired comparison for the price of half an epoch in the
-worse mode. Between explorations the kept mode runs; the next exploration comes after
+Thue-Morse order gives each mode half of any aligned run of 2^k units and of every 8th
+unit; units drawn at random were as unbiased but spread the ratio by 5% (one-second epochs)
+where the chains are regular. Where switching costs nothing between units (the threads of
+the next pass) that is a paired comparison for the price of half an epoch in the worse
+mode. Between explorations the kept mode runs; the next exploration comes after
 ``first_explore`` epochs, doubling while the kept mode keeps winning, up to ``max_explore``.
 The first epoch explores. A tie goes to the mode that is off, the cheaper one; with
 ``on_margin`` above 1 the mode that is on is taken only when it serves that factor more, and

@@ -9,9 +9,9 @@ process for the same cores, and on some machines two threads were slower even al
 
 So the verifier measures, one switch per level of batch size (1, 2-3, 4-7, 8-15, ...
 sessions a pass). Now and then an epoch's passes interleave ``narrow`` threads (the
-process's own) and ``wide`` ones (services/paired_switch.py), and each count's
-rate is the session-tokens of its passes over their cycles, from a pass's start to the next
-one's: the time the rest of the mesh took between them counts. Between such epochs the
+process's own) and ``wide`` ones (services/paired_switch.py), and each count's rate is
+the session-tokens of its passes over their cycles, from a pass's start to the next one's:
+the time the rest of the mesh took between them counts. Between such epochs the
 faster count runs; the wide one is taken only when it serves at least MIN_GAIN times what
 the narrow one does (it costs more CPU), and kept until the narrow one serves more.
 Measured side by side, the two counts see the same machine: epochs of one count against

@@ -129,8 +129,9 @@ PlainThreads = Annotated[int, typer.Option(
     help="torch CPU threads to try for a decode pass no drafter works beside, when more "
          "than --threads: one that verifies no drafts (target-only rounds, and rounds while "
          "drafts do not pay), or drafts with no speculation tree drafted beside it. The "
-         "verifier measures its throughput both ways as it serves, per kind of pass, and "
-         "keeps the faster; 0 = --threads.")]
+         "verifier measures its throughput both ways as it serves (now and then "
+         "interleaving the two pass by pass), per kind of pass and batch size, and keeps "
+         "the faster: the wider where it serves 10% more; 0 = --threads.")]
 Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                       help="auto: Llama-architecture models run a lean forward "
                                            "(less Python per call; on a CPU with weights "
