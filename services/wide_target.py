@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 1:
         print(f"error: --layers must be at least 1, got {args.layers}", file=sys.stderr)
         return 2
+    if args.extra_layers and not args.widen:
+        print("error: --extra-layers adds layers to a widened copy: give --widen 4 or 16 too "
+              "(a random target takes its depth from --layers)", file=sys.stderr)
+        return 2
     if args.widen:
         if args.widen not in (4, 16) or args.extra_layers < 0:
             print(f"error: --widen must be 4 or 16 and --extra-layers at least 0, got "

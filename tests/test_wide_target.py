@@ -76,7 +76,8 @@ def test_the_commands_user_errors_are_one_line_and_exit_2(tmp_path):
     for args, says in ((["--source", str(tmp_path / "none")], "holds no config.json"),
                        (["--layers", "0"], "--layers must be at least 1, got 0"),
                        (["--widen", "3"], "--widen must be 4 or 16"),
-                       (["--widen", "4", "--extra-layers", "-1"], "--extra-layers at least 0")):
+                       (["--widen", "4", "--extra-layers", "-1"], "--extra-layers at least 0"),
+                       (["--extra-layers", "2"], "give --widen 4 or 16 too")):
         done = subprocess.run([sys.executable, "-m", "services.wide_target",
                                str(tmp_path / "out"), *args],
                               capture_output=True, text=True, timeout=120, check=False)
