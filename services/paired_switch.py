@@ -44,7 +44,6 @@ class PairedSwitch:
     rate: dict[bool, float] = field(default_factory=dict)  # per mode: the last exploration's
     _kept: bool = False  # the mode run between explorations
     _exploring: bool = True  # this epoch interleaves the modes
-    _measured: bool = False  # an exploration has compared the modes
     _reported: bool | None = None  # the kept mode ``kept_changed`` last reported
     _every: int = 0
     _streak: int = 0
@@ -64,15 +63,10 @@ class PairedSwitch:
         """The mode kept between explorations."""
         return self._kept
 
-    @property
-    def exploring(self) -> bool:
-        """This epoch interleaves the modes."""
-        return self._exploring
-
     def kept_changed(self) -> bool:
         """True once each time the kept mode changes, counted from the first exploration's
         end: the caller's cue to log the choice."""
-        if not self._measured or self._reported == self._kept:
+        if not self.rate or self._reported == self._kept:
             return False
         self._reported = self._kept
         return True
@@ -95,8 +89,9 @@ class PairedSwitch:
     def observe(self, started: float, cycle_s: float, tokens: int, cut: bool = False) -> None:
         """The unit that began at ``started`` (the last one ``mode`` gave) took ``cycle_s`` to
         the next one and yielded ``tokens``; ``cut``: not representative, not counted."""
+        # (``_begin`` forgets the last unit: one given in an earlier epoch is not counted)
         if (not self._exploring or self._issued is None or self._issued[0] != started
-                or self._start is None or started < self._start or cycle_s <= 0 or cut):
+                or cycle_s <= 0 or cut):
             return
         mode = self._issued[1]
         self._tokens[mode] += tokens
@@ -119,9 +114,10 @@ class PairedSwitch:
             if self._streak >= self._every:
                 self._exploring, self._streak = True, 0
             return
+        measured = bool(self.rate)  # (an exploration before this one compared the modes)
         self.rate = {mode: self._tokens[mode] / self._busy_s[mode] for mode in (True, False)}
-        taking = not (self._measured and self._kept)
+        taking = not (measured and self._kept)
         best = self.rate[True] > (self.on_margin if taking else 1.0) * self.rate[False]
         self._every = (min(self.max_explore, 2 * self._every)
-                       if self._measured and best == self._kept else self.first_explore)
-        self._kept, self._measured, self._exploring = best, True, False
+                       if measured and best == self._kept else self.first_explore)
+        self._kept, self._exploring = best, False

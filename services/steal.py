@@ -14,8 +14,9 @@ two gave.
 the time the CPUs ran something (user, nice, system, irq, softirq) plus what was stolen.
 ``share(before, after)`` is the stolen share of the demanded time between two readings.
 Idle vCPUs are not counted: an idle core is not slowed by the host. `specmesh bench` reports
-it per cell; the epoch switches divide each epoch's rate by ``1 - share`` (at most
-``MAX_SHARE`` of it).
+it per cell; the gateway's epoch switches divide each epoch's rate by ``1 - share`` (at most
+``MAX_SHARE`` of it). A verifier's thread switch compares its two counts within one epoch
+(services/paired_switch.py), where steal weighs on both alike.
 """
 
 from __future__ import annotations

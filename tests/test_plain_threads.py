@@ -204,7 +204,7 @@ def test_a_verifier_exports_its_choice_and_its_plain_passes():
     assert read("specmesh.verifier.plain_passes") == {1: chosen.count(1), 2: chosen.count(2)}
 
 
-def test_wide_passes_must_serve_ten_percent_more_to_be_kept():
+def test_wide_passes_must_serve_ten_percent_more_to_be_taken():
     """Two threads cost a pass nearly twice the CPU: 5% more throughput does not keep them."""
     pt = PlainThreads(1, 2, epoch_s=0.05, min_passes=4)
     _serve(pt, lambda threads: 10.0 / 1.05 if threads == 2 else 10.0)
