@@ -343,7 +343,7 @@ def test_bench_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
     assert {(t["mode"], t["key"]) for t in report["targets"]} == (
         {(m, key) for m in ("model", "default") for key in (
             "vs_hf_plain", "vs_hf_assisted", "cache_hit", "gateway_ms", "scaling",
-            "vs_target_8", "scaling_16", "vs_target_all", "vs_peer_8", "vs_peer_16",
+            "vs_target_8", "scaling_16", "vs_target_all", "vs_peer_1", "vs_peer_8", "vs_peer_16",
             "cpu_ms_16")}
         | {("all", "lossless")})
     lossless = next(t for t in report["targets"] if t["key"] == "lossless")

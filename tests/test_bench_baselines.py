@@ -110,6 +110,7 @@ def _measured_rows() -> list[dict]:
         _row("default", 8, 190.0, outputs_match=False),
         _row("peer:vllm", 8, 300.0, outputs_match=None),  # a peer: never compared
         _row("peer:llamacpp", 8, 250.0, outputs_match=None),
+        _row("peer:llamacpp", 1, 110.0, outputs_match=None),  # one stream: beats default
     ]
 
 
@@ -121,9 +122,11 @@ def test_targets_by_hand():
         ("model", "scaling"): (3.0, True), ("model", "vs_target_8"): (1.95, True),
         ("model", "scaling_16"): (None, None),  # no 16-stream row
         ("model", "vs_target_all"): (1.95, True),  # min(130 / 40, 390 / 200)
+        ("model", "vs_peer_1"): (130 / 110, True),  # the only peer at one stream
         ("model", "vs_peer_8"): (1.3, True),  # 390 / the better peer's 300
         ("model", "vs_peer_16"): (None, None),
         ("default", "scaling_16"): (None, None), ("default", "vs_target_all"): (0.95, False),
+        ("default", "vs_peer_1"): (96 / 110, False),
         ("default", "vs_peer_8"): (190 / 300, False), ("default", "vs_peer_16"): (None, None),
         ("default", "vs_hf_plain"): (1.2, False), ("default", "vs_hf_assisted"): (1.28, False),
         ("default", "cache_hit"): (0.8, True),  # the threshold itself passes
