@@ -45,7 +45,7 @@ class PairedSwitch:
     _kept: bool = False  # the mode run between explorations
     _exploring: bool = True  # this epoch interleaves the modes
     _reported: bool | None = None  # the kept mode ``kept_changed`` last reported
-    _every: int = 0
+    _every: int = field(init=False)  # epochs of the kept mode before the next exploration
     _streak: int = 0
     _start: float | None = None
     _last: float = 0.0
@@ -56,7 +56,7 @@ class PairedSwitch:
     _count: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
 
     def __post_init__(self) -> None:
-        self._every = self._every or self.first_explore
+        self._every = self.first_explore
 
     @property
     def incumbent(self) -> bool:
@@ -81,7 +81,7 @@ class PairedSwitch:
             self._begin(now)
         self._last = now
         # (the Thue-Morse order: each mode half of every aligned run of 2^k units)
-        mode = self._kept if not self._exploring else bin(self._units).count("1") % 2 == 0
+        mode = self._kept if not self._exploring else self._units.bit_count() % 2 == 0
         self._issued = (now, mode)
         self._units += 1
         return mode
