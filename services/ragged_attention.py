@@ -124,16 +124,23 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
          device: torch.device, since: int = 0, columns: dict[int, int] | None = None,
          kernel: bool = False) -> list[PooledRows]:
     """Splits the pass's rows ``members`` (each ``rows[b].kv`` a cache of ``pool`` with a
-    slot, room for its tokens) by segment. ``starts``: each row's first token in T; ``group``
+    slot, room for its tokens) by segment, and in a segment the rows of one new token apart
+    from the rows of several: in one plan every row is padded to the widest, so a decode
+    row beside a verify row of 4 tokens (or a prompt) had 3 padded queries attend its whole
+    cache, and the pass could not run its parts as one operator each
+    (services/uniform_pass.py). 16 decode rows beside a 4-token verify, demo target, in
+    process: 4.4-4.7 against 5.6-6.1 ms a pass on two threads, 7.0 against 9.0-9.2 on one
+    (docs/performance.md, 2026-11-29). ``starts``: each row's first token in T; ``group``
     G: query heads per key head. For a cascade group: ``since`` its shared positions,
     ``columns`` each token's column among the group's tokens. ``kernel``: the CPU kernel
     attends (no mask is made)."""
     slot_of = {b: rows[b].kv.slot for b in members}  # (a property over every layer)
-    by_segment: dict[int, list[int]] = {}
-    for b in members:
-        by_segment.setdefault(slot_of[b] // pool.segment, []).append(b)
+    by_segment: dict[tuple[int, bool], list[int]] = {}
+    for b in members:  # (segment, whether the row feeds more than one token)
+        by_segment.setdefault((slot_of[b] // pool.segment, len(rows[b].tokens) > 1),
+                              []).append(b)
     plans = []
-    for segment, idx in sorted(by_segment.items()):
+    for (segment, _), idx in sorted(by_segment.items()):
         slots = [slot_of[b] % pool.segment for b in idx]
         sizes = [len(rows[b].tokens) for b in idx]
         lo, hi = min(slots), max(slots)

@@ -169,7 +169,8 @@ def test_rows_in_slots_attend_per_segment_and_match_each_row_alone(models, monke
     of 0-60 positions, beside a row whose cache has no slot, a prompt row (more than
     POOL_ROW_MAX tokens) and a row that outgrows its slot in this pass: each row's logits
     equal that row run alone through HF, its cache holds HF's keys, and the pooled rows
-    were attended with one call per segment and layer. A wrong slot, position, padding or
+    were attended with one call per segment and layer, the rows of one new token in one
+    and those of several in another. A wrong slot, position, padding or
     mask shows here, and so does a masked position never written (NaN reaches a softmax
     through a mask). With PyTorch's SDPA and with the project's CPU kernel."""
     hf, lean = models
@@ -205,7 +206,8 @@ def test_rows_in_slots_attend_per_segment_and_match_each_row_alone(models, monke
                         lambda p, *a: calls.append((p.segment, p.rows)) or attend(p, *a))
     refs = [forward_one(hf, row, "cpu") for row in hf_rows]
     got = forward_rows(lean, lean_rows, "cpu", lambda: None)
-    per_layer = [(0, [0, 1, 4]), (1, [2, 3])]  # slots 2, 3, 1 and 5, 7; rows 5 (prompt), 6, 7 attend alone
+    # slots 3, 1 (one token each), 2 and 5, 7; rows 5 (prompt), 6, 7 attend alone
+    per_layer = [(0, [1, 4]), (0, [0]), (1, [2, 3])]
     assert calls == per_layer * c.num_hidden_layers
     assert lean_rows[6].kv.slot is None  # outgrown: now a buffer of its own
     for (past, new), ref, out, row, hf_row in zip(plan, refs, got, lean_rows, hf_rows,
