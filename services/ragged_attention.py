@@ -174,6 +174,9 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
             span=slice(tok[0], tok[-1] + 1) if consecutive else None,
             aligned=min(sizes) == width and all(
                 a < b for a, b in zip(slots, slots[1:], strict=False))))
+    # in the order of their tokens in the pass: a verify row before a segment's one-token
+    # rows still lets each part run as one operator (uniform_pass.parts_in_order)
+    plans.sort(key=lambda p: starts[p.rows[0]])
     return plans
 
 

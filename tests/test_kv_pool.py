@@ -206,8 +206,9 @@ def test_rows_in_slots_attend_per_segment_and_match_each_row_alone(models, monke
                         lambda p, *a: calls.append((p.segment, p.rows)) or attend(p, *a))
     refs = [forward_one(hf, row, "cpu") for row in hf_rows]
     got = forward_rows(lean, lean_rows, "cpu", lambda: None)
-    # slots 3, 1 (one token each), 2 and 5, 7; rows 5 (prompt), 6, 7 attend alone
-    per_layer = [(0, [1, 4]), (0, [0]), (1, [2, 3])]
+    # in the order of their first tokens: slot 2, then slots 3, 1 (one token each), then 5,
+    # 7; rows 5 (prompt), 6, 7 attend alone
+    per_layer = [(0, [0]), (0, [1, 4]), (1, [2, 3])]
     assert calls == per_layer * c.num_hidden_layers
     assert lean_rows[6].kv.slot is None  # outgrown: now a buffer of its own
     for (past, new), ref, out, row, hf_row in zip(plan, refs, got, lean_rows, hf_rows,

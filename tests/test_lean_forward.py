@@ -736,3 +736,32 @@ def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, p
         assert (ops.get("specmesh_cpu::dense_layers", 0) > 0) == (not attended_once)
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("verify_at", [0, 4, 8], ids=["first", "between", "last"])
+def test_one_token_rows_and_a_verify_row_run_as_one_operator_each(verify_at):
+    """A segment's one-token rows and a verify row of four tokens are two plans
+    (services/ragged_attention.py ``plan``), put in the order of their tokens: where each
+    plan's tokens are consecutive (the verify row first or last) both parts run their
+    layers as one operator (``dense_layers``); with the verify row between one-token rows
+    the pass runs layer by layer. Either way each row's logits are those of the row alone."""
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+    lean = LeanLlama(model, pack=True, half=True)
+    if not lean.kernel_layer:
+        pytest.skip("the layers' fused operators need the project's CPU kernels")
+    g = torch.Generator().manual_seed(verify_at)
+    prompts = [torch.randint(0, 8000, (40 + 3 * b,), generator=g).tolist() for b in range(9)]
+    outs = []
+    for together in (True, False):
+        caches = _fed(lean, prompts)
+        rows = [Row(tokens=[7 + b] * (4 if b == verify_at else 1), kv=kv, start=s,
+                    keep=4 if b == verify_at else 1) for b, (kv, s) in enumerate(caches)]
+        if together:
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                outs.append(lean.forward_ragged(rows, []))
+            ops = {e.key: e.count for e in prof.key_averages()}
+            assert (ops.get("specmesh_cpu::dense_layers", 0) > 0) == (verify_at in (0, 8))
+        else:
+            outs.append([forward_rows(lean, [row], "cpu", _no_batch_cache)[0] for row in rows])
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
