@@ -126,11 +126,11 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
     """Splits the pass's rows ``members`` (each ``rows[b].kv`` a cache of ``pool`` with a
     slot, room for its tokens) by segment, and in a segment the rows of one new token apart
     from the rows of several: in one plan every row is padded to the widest, so a decode
-    row beside a verify row of 4 tokens (or a prompt) had 3 padded queries attend its whole
-    cache, and the pass could not run its parts as one operator each
-    (services/uniform_pass.py). 16 decode rows beside a 4-token verify, demo target, in
-    process: 4.4-4.7 against 5.6-6.1 ms a pass on two threads, 7.0 against 9.0-9.2 on one
-    (docs/performance.md, 2026-11-29). ``starts``: each row's first token in T; ``group``
+    row beside a verify row of 4 tokens had 3 padded queries attend its whole cache (beside
+    a prompt, as many as its tokens less one), and the pass could not run its parts as one
+    operator each (services/uniform_pass.py). 16 decode rows beside a 4-token verify, demo
+    target, in process: 4.4-4.7 against 5.6-6.1 ms a pass on two threads, 7.0 against
+    9.0-9.2 on one (docs/performance.md, 2026-11-29). ``starts``: each row's first token in T; ``group``
     G: query heads per key head. For a cascade group: ``since`` its shared positions,
     ``columns`` each token's column among the group's tokens. ``kernel``: the CPU kernel
     attends (no mask is made)."""
@@ -140,7 +140,9 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
         by_segment.setdefault((slot_of[b] // pool.segment, len(rows[b].tokens) > 1),
                               []).append(b)
     plans = []
-    for (segment, _), idx in sorted(by_segment.items()):
+    # in the order of their tokens in the pass: a verify row before a segment's one-token
+    # rows still lets each part run as one operator (uniform_pass.parts_in_order)
+    for (segment, _), idx in sorted(by_segment.items(), key=lambda item: starts[item[1][0]]):
         slots = [slot_of[b] % pool.segment for b in idx]
         sizes = [len(rows[b].tokens) for b in idx]
         lo, hi = min(slots), max(slots)
@@ -174,9 +176,6 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
             span=slice(tok[0], tok[-1] + 1) if consecutive else None,
             aligned=min(sizes) == width and all(
                 a < b for a, b in zip(slots, slots[1:], strict=False))))
-    # in the order of their tokens in the pass: a verify row before a segment's one-token
-    # rows still lets each part run as one operator (uniform_pass.parts_in_order)
-    plans.sort(key=lambda p: starts[p.rows[0]])
     return plans
 
 
