@@ -116,23 +116,33 @@ def test_a_seeded_sample_draws_the_same_alone_and_among_other_requests(
 def test_a_lone_requests_switches_to_drafting_stop_no_job_decoded_ahead(redis_url, tokenizer):
     """Lone requests one after another, the gateway's k = 3 with its fallback, plain rounds of
     one token that decode their successor ahead, drafts that pay here: every 8th round is
-    the probe of not drafting, and the round after it drafts again. That plain round must
+    the probe of not drafting, and the round after it drafts again (the rounds' timing in
+    this process decides how long a request stays without drafts). That plain round must
     not ask the verifier for a job ahead (AdaptiveK.drafts_next), which the drafting call
     would stop and wait for. Where the choice itself changes with what a plain round adds
     to the costs (timed in this process), a job is still left: far fewer than the switches
     (without the prediction, 13-21 of 17-24 in three runs)."""
-    ks: list[int] = []
+    per_request: list[list[int]] = []
 
     async def work(h):
         choose = h.engine.k.choose
-        h.engine.k.choose = lambda req, kind, plain=1: ks.append(choose(req, kind, plain)) or ks[-1]
+        h.engine.k.choose = lambda req, kind, plain=1: (
+            per_request[-1].append(choose(req, kind, plain)) or per_request[-1][-1])
         for p in PROMPTS[:6]:
+            per_request.append([])
             await h.complete(spec(p, 160))
 
     h, _ = _run(redis_url, tokenizer, work, noise=0.3, plain_tokens=1)
-    switches = sum(1 for a, b in zip(ks, ks[1:], strict=False) if a == 0 and b > 0)
+    pairs = [(a, b) for ks in per_request for a, b in zip(ks, ks[1:], strict=False)]
+    ks = [k for ks in per_request for k in ks]
+    switches = sum(1 for a, b in pairs if a == 0 and b > 0)
     assert switches >= 8, ks
     stats = h.verifier.stats
-    assert stats.ahead_started >= 5  # plain rounds followed by plain ones decode ahead
+    # A plain round followed by a plain one of its request decoded it ahead, and the second
+    # took that job (how many there are depends on this process's timing: 22-336 in eight
+    # runs, one job missed at most; a run where drafting wins nearly everywhere has almost
+    # none, which the switches below still test).
+    plain_after_plain = sum(1 for a, b in pairs if a == 0 == b)
+    assert stats.ahead_taken >= 0.9 * plain_after_plain - 1, (stats, plain_after_plain, ks)
     left = stats.ahead_started - stats.ahead_taken  # jobs a call stopped instead of taking
     assert 2 * left <= switches, (left, switches, ks)
