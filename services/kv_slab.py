@@ -31,7 +31,15 @@ import torch
 
 CHUNK = 256  # positions a full buffer grows by
 AHEAD = 64  # positions of a pool slot made to hold numbers at a time (KVPool.ready)
-POOL_SEGMENT = 16  # slots allocated together
+POOL_SEGMENT = 16  # slots allocated together on an accelerator (its memory taken at once)
+# On a CPU (address space, not memory, until written), 64: the slots a pass reads in one call
+# per layer. Sessions that end give their slots back a little after the next ones began (the
+# gateway frees caches after the response), so at 16 streams 17-27 slots were in use at times
+# and, with segments of 16, half of a verifier's passes straddled two segments: a call per
+# segment each, the layer loop where one operator would do (demo target, 16 sessions behind
+# 800 shared positions: 8.1-8.7 ms a pass over two segments of 16, 6.4 over slots 0-26 of
+# one of 64; docs/performance.md, 2026-11-29)
+POOL_SEGMENT_CPU = 64
 POOL_MAX_SLOTS = 256  # a replica lowers it to its --max-sessions and --kv-budget-mb
 POOL_MEMORY_SHARE = 0.5  # of an accelerator's memory free after the weights, at most
 
@@ -49,6 +57,12 @@ def pool_slots(device: torch.device, slot_bytes: int, free_bytes: int | None) ->
     if not free_bytes or slot_bytes <= 0:
         return 0
     return min(POOL_MAX_SLOTS, int(free_bytes * POOL_MEMORY_SHARE) // slot_bytes)
+
+
+def pool_segment(device: torch.device, slots: int) -> int:
+    """The slots of a pool segment on ``device`` (``POOL_SEGMENT_CPU`` on a CPU,
+    ``POOL_SEGMENT`` elsewhere), at most ``slots``."""
+    return min(POOL_SEGMENT_CPU if device.type == "cpu" else POOL_SEGMENT, slots)
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -37,10 +37,10 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from services import cpu_kernels, half_linear, ragged_attention, rotary
+from services import cascade_attention, cpu_kernels, half_linear, ragged_attention, rotary
 from services.config import FORWARD_MODES
 from services.cuda_graphs import DecodeGraphs
-from services.kv_slab import POOL_SEGMENT, KVPool, SlabCache, free_memory, pool_slots
+from services.kv_slab import KVPool, SlabCache, free_memory, pool_segment, pool_slots
 from services.lean_layers import (
     LeanLayer,
     attend,
@@ -110,7 +110,7 @@ class LeanLlama(torch.nn.Module):
         # (with graphs, one segment: a graph's rows must share one, and on a GPU a
         # segment's memory is taken at once anyway)
         self.pool = KVPool(c.num_hidden_layers, self._kv_heads, self._head_dim, slot_len,
-                           segment=slots if graphs else min(POOL_SEGMENT, slots),
+                           segment=slots if graphs else pool_segment(weight.device, slots),
                            max_slots=slots,
                            dtype=weight.dtype, device=weight.device,
                            scratch=graphs) if slots else None
@@ -240,19 +240,19 @@ class LeanLlama(torch.nn.Module):
                   all_pooled: bool) -> list[tuple[list[int], int]]:
         """The groups of ``shared`` whose rows attend their shared prefix once (cascade
         attention). With the prefix kernel: a group only when it fills one of the kernel's
-        blocks of queries (``ragged_attention.PREFIX_MIN_QUERIES`` a key head: a smaller
+        blocks of queries (``cascade_attention.PREFIX_MIN_QUERIES`` a key head: a smaller
         one pays for a whole block over the prefix); and where the pass could otherwise run
         its layers in one operator (every row pooled, all of one size: ``_uniform``), the
-        groups only when they save ``ragged_attention.SHARED_MIN_SAVED`` positions a token
+        groups only when they save ``cascade_attention.SHARED_MIN_SAVED`` positions a token
         of the pass (any group keeps the whole pass in the layer-by-layer path)."""
         if not self.kernel_prefix:
             return list(shared)
         G = self._heads // self._kv_heads
         groups = [(idx, p) for idx, p in shared
-                  if sum(sizes[b] for b in idx) * G >= ragged_attention.PREFIX_MIN_QUERIES]
+                  if sum(sizes[b] for b in idx) * G >= cascade_attention.PREFIX_MIN_QUERIES]
         saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
         if (groups and all_pooled and len(set(sizes)) == 1 and self._uniform(sizes[0])
-                and saved < ragged_attention.SHARED_MIN_SAVED * sum(sizes)):
+                and saved < cascade_attention.SHARED_MIN_SAVED * sum(sizes)):
             return []
         return groups
 
@@ -321,7 +321,7 @@ class LeanLlama(torch.nn.Module):
 
         ``shared``: groups of rows whose caches begin with the same P positions, as (row
         indices, P) (services/batching.py ``shared_prefixes``): on a CPU their attention
-        reads those positions once for the group (services/ragged_attention.py).
+        reads those positions once for the group (services/cascade_attention.py).
         """
         H, KV, D = self._heads, self._kv_heads, self._head_dim
         sizes = [len(r.tokens) for r in rows]
@@ -354,7 +354,7 @@ class LeanLlama(torch.nn.Module):
 
         plans = ragged_attention.plan(rows, sorted(pooled - grouped), starts, self.pool,
                                       H // KV, dev, kernel=self.kernel_attention)
-        cascades = [ragged_attention.cascade_plan(rows, idx, p, starts, pooled, self.pool,
+        cascades = [cascade_attention.cascade_plan(rows, idx, p, starts, pooled, self.pool,
                                                   H // KV, dev, lambda b, p=p: rest_mask(b, p),
                                                   self.kernel_attention,
                                                   self.kernel_attention and self.kernel_prefix)
@@ -385,7 +385,7 @@ class LeanLlama(torch.nn.Module):
                 q = self._stored_qkv(x[0], w, cos_t, sin_t, buffers, p).transpose(0, 1)  # [H, T, D]
                 attn = ragged_attention.attend(
                     p, buffers, q, None, None,
-                    None if solo is None else ragged_attention.shared_part(solo, i, rows))
+                    None if solo is None else cascade_attention.shared_part(solo, i, rows))
                 x = self.finish_layer(x, attn.transpose(0, 1).reshape(1, T, H * D), w)
                 continue
             q, k, v = (t.transpose(0, 1) for t in self.qkv(x[0], w, cos, sin))
@@ -406,7 +406,7 @@ class LeanLlama(torch.nn.Module):
                 if b not in grouped:
                     attn[:, s:e] = attend(q[None, :, s:e], keys, values, masks[b])[0]
             for c in cascades:  # one call over each shared prefix, its rows' rests apart
-                attn[:, c.tok] = ragged_attention.cascade(c, i, rows, starts, self.pool, q, k, v)
+                attn[:, c.tok] = cascade_attention.cascade(c, i, rows, starts, self.pool, q, k, v)
             x = self.finish_layer(x, attn.transpose(0, 1).reshape(1, T, H * D), w)
         ragged_attention.advance(rows, plans + [p for c in cascades for p in c.pooled])
         logits = self.head(x[:, wanted])[0].float()  # [K, V]

@@ -1,7 +1,6 @@
 """Attention of a ragged pass over many sessions (services/lean_llama.py ``forward_ragged``)
 in few calls per layer: the rows whose KV caches are slots of one pool segment
-(services/kv_slab.py ``KVPool``) in one call, and rows whose caches begin with the same
-shared prefix (cascade attention) in one call over that prefix plus their own rests.
+(services/kv_slab.py ``KVPool``) in one call.
 
 Per session, a pass's attention is small (a decode row: G query rows over L keys), so over
 16 sessions a pass made 16 calls per layer (cache write, slicing, SDPA), and that Python and
@@ -26,34 +25,16 @@ reads each row's own keys only, not the window padded to the longest. SDPA's CPU
 about twice the time reading the keys and values of a decode pass over 16 sessions
 (docs/performance.md, 2026-11-27).
 
-Cascade attention: rows whose caches begin with the same P positions (copies of the same
-prefix-cache blocks, services/batching.py ``shared_prefixes``) attend to that prefix in ONE
-call over the first row's copy, read once instead of once per row, and to the rest of their
-own caches apart (the pooled ones in one call per segment over the slots' positions P..,
-the others one by one); the two parts merge by their log-sum-exps:
-
-    o = o_p * exp(lse_p - lse) + o_s * exp(lse_s - lse),  lse = logaddexp(lse_p, lse_s)
-
-Every query of a group sees the whole shared prefix, so with enough of them (``DENSE_MIN``)
-that call is two matrix products and a softmax between them (``dense_lse``): each key is then
-used by all queries while it is in registers, where the kernel's and SDPA's loops take one
-query at a time. 16 sessions behind an 800-token prefix: 259 against 572 us a layer on one
-thread, hot in cache (docs/performance.md, 2026-11-27, Xeon).
-
-On an AVX-512 CPU one operator does both, for each pooled plan's padded queries as they are
-(``attend`` with ``prefix``): ``specmesh_cpu::prefix_attention`` multiplies 16 or 32 queries
-by each key element in registers and merges each query's prefix part with its rest, which
-the kernel above attended from position ``shared`` on; nothing is gathered or scattered. A
-pass whose rows all share one prefix in one segment also keeps the fused rotary and cache
-writes (services/lean_llama.py). Passes of 8 sessions behind 800 shared positions on a wide
-target ran at 0.92x the speed of passes without the prefix on one thread, against 0.86x with
-the matrix products (docs/performance.md, 2026-11-27).
+Rows whose caches begin with the same shared prefix attend to it once per layer
+(services/cascade_attention.py); their pooled rests go through the plans here, with
+``since`` their shared positions, and a pass that is one such group in one segment attends
+through ``attend`` with its ``prefix``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -179,7 +160,7 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
     return plans
 
 
-def _written_and_padded(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor],
+def written_and_padded(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor],
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Writes the rows' new keys and values k, v [KV, T, D] into their slots of the
     segment's ``buffers`` (keys, values [S, KV, slot_len, D]); returns their queries from q
@@ -213,17 +194,15 @@ def attend(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor], q: torch.T
            k: torch.Tensor | None, v: torch.Tensor | None,
            prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Writes the rows' new keys and values (k, v None: already written) and returns their
-    tokens' attention outputs [H, P, D] for queries q [H, T, D] (``_written_and_padded``).
+    tokens' attention outputs [H, P, D] for queries q [H, T, D] (``written_and_padded``).
     ``prefix``: a cascade's shared keys and values [KV, shared, D], which every query also
     sees (the CPU kernel attends the slots from ``p.since`` on, ``prefix_attention`` the
-    prefix and merges the two)."""
+    prefix and merges the two, over the rows' own queries only: ``_with_prefix``)."""
     H, _, D = q.shape
-    grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
-    if prefix is not None:  # [n, KV, G M, D] in and out
-        out = torch.ops.specmesh_cpu.prefix_attention(
-            grouped, *prefix, *kernel_attention(grouped, keys, values, p.last, p.since),
-            D ** -0.5)
-    elif p.mask is None:
+    grouped, keys, values = written_and_padded(p, buffers, q, k, v)
+    if prefix is not None:
+        return _with_prefix(p, q, grouped, keys, values, prefix)
+    if p.mask is None:
         out = kernel_attention(grouped, keys, values, p.last, p.since)[0]
     else:
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=p.mask)
@@ -232,164 +211,38 @@ def attend(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor], q: torch.T
     return out.reshape(p.n, H, p.width, D)[p.rel, :, p.j].transpose(0, 1)  # [H, P, D]
 
 
-def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of grouped queries q [B, KV, n, D] over keys/values [B, KV, L, D] with its
-    log-sum-exp: ([B, KV, n, D], [B, KV, n] float32); ``mask`` [.., n, L] added to the scores
-    (0 or -inf) or None. PyTorch's CPU flash kernel, which SDPA runs, returns both."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, keys, values, 0.0, False, attn_mask=mask)[:2]
-    return out, lse
-
-
-# Cascade attention on a CPU with the prefix kernel (services/lean_llama.py ``_cascades``):
-# a group of rows attends its shared prefix once only when it has this many queries a key
-# head: the kernel takes queries in blocks of 16 lanes (csrc/prefix_attention.h), so a smaller
-# group pays for a whole block over the prefix. And a pass whose rows could run their layers
-# as one operator keeps its groups only when they save SHARED_MIN_SAVED positions (rows after
-# a group's first times its prefix) a token of the pass: any group keeps the whole pass in the
-# layer-by-layer path. Demo target, one thread, whole passes alternated (docs/performance.md,
-# 2026-11-28): 32 sessions in pairs sharing 130-500 positions took 26-46 ms a pass with
-# the pairs' cascades, 16-28 without; among 32 sessions one group of 16 sharing 250 positions
-# (117 saved a token) or of 8 sharing 800 (175) lost 1.5 ms each, while 16 of 16 sharing 250
-# (234) won 1.2 ms and 16 of 32 sharing 800 (375) won 3 ms.
-PREFIX_MIN_QUERIES = 16
-SHARED_MIN_SAVED = 200
-DENSE_MIN = 16  # queries per key head from which a shared prefix is attended by ``dense_lse``
-#                (in whole passes behind 800 shared positions, passes alternated on one
-#                thread: 16 sessions, 32 queries a head, 5% shorter; 8 sessions 3%; 4, 3% longer)
-
-
-def dense_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries q [B, KV, n, D] over all of keys/values [B, KV, L, D], no mask,
-    as matrix products, in float32: outputs [B, KV, n, D] (q's dtype) and log-sum-exps
-    [B, KV, n] float32."""
-    q32, k32, v32 = q.float(), keys.float(), values.float()
-    scores = torch.matmul(q32 * q.shape[-1] ** -0.5, k32.transpose(-1, -2))  # [B, KV, n, L]
-    top = scores.amax(-1, keepdim=True)  # [B, KV, n, 1]
-    weights = scores.sub_(top).exp_()
-    total = weights.sum(-1, keepdim=True)
-    out = torch.matmul(weights, v32).div_(total)  # [B, KV, n, D]
-    return out.to(q.dtype), (top + total.log()).squeeze(-1)
-
-
-def _attend_slots_lse(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor],
-                      q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attend`` over the slots' positions from ``p.since`` on, with log-sum-exps: outputs
-    [KV, G, P, D] and lse [KV, G, P]."""
-    KV = k.shape[0]
-    G = q.shape[0] // KV
-    grouped, keys, values = _written_and_padded(p, buffers, q, k, v)
-    out, lse = (kernel_attention(grouped, keys, values, p.last, p.since) if p.mask is None
-                else attend_lse(grouped, keys, values, p.mask))  # [n, KV, G M, D], [n, KV, G M]
-    out = out.reshape(p.n, KV, G, p.width, -1)[p.rel, :, :, p.j]  # [P, KV, G, D]
-    lse = lse.reshape(p.n, KV, G, p.width)[p.rel, :, :, p.j]  # [P, KV, G]
-    return out.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
-
-
-@dataclass
-class Cascade:
-    """A group of rows sharing their caches' first ``shared`` positions, planned once a
-    pass: their tokens in T (the group's columns, row after row), the pooled rows' plans
-    and the other rows' columns [c0, c1) with their additive masks over their rests."""
-
-    rows: list[int]
-    shared: int
-    tok: torch.Tensor  # [N]
-    pooled: list[PooledRows] = field(default_factory=list)
-    alone: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
-    # with the CPU kernel, every query's last shared position [1, 1] (made once a pass; the
-    # pooled rests' plans carry their own): None where SDPA attends
-    shared_last: torch.Tensor | None = None
-    # the shared prefix attended and merged by ``specmesh_cpu::prefix_attention``
-    prefix_kernel: bool = False
-
-
-def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequence[int],
-                 pooled: set[int], pool, group: int, device: torch.device,
-                 rest_mask: Callable[[int], torch.Tensor | None],
-                 kernel: bool = False, prefix_kernel: bool = False) -> Cascade:
-    """Plans a group's attention; ``pooled``: which of its rows attend in their slots,
-    ``rest_mask(b)``: a lone row's additive mask over its rest [G m, L - shared] (or None);
-    ``kernel``: the CPU kernel attends the pooled rows' rests; ``prefix_kernel``: the
-    shared prefix and the merge run in ``specmesh_cpu::prefix_attention``."""
-    tok, columns, alone = [], {}, []
-    for b in idx:
-        m = len(rows[b].tokens)
-        if b not in pooled:
-            alone.append((b, len(tok), len(tok) + m, rest_mask(b)))
-        for t in range(starts[b], starts[b] + m):
-            columns[t] = len(tok)
-            tok.append(t)
-    mine = [b for b in idx if b in pooled]
-    return Cascade(rows=list(idx), shared=shared, tok=torch.tensor(tok, device=device),
-                   pooled=plan(rows, mine, starts, pool, group, device, shared, columns,
-                               kernel),
-                   shared_last=torch.full((1, 1), shared - 1, dtype=torch.long,
-                                          device=device) if kernel else None,
-                   alone=alone, prefix_kernel=prefix_kernel)
-
-
-def shared_part(c: Cascade, layer: int, rows: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's shared keys and values in ``layer``, [KV, shared, D] each: its first
-    row's copy (every row's holds the same)."""
-    first = rows[c.rows[0]].kv.layers[layer]
-    return first.keys[0, :, :c.shared], first.values[0, :, :c.shared]
-
-
-def _rests_alone(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int],
-                 q: torch.Tensor, kv_heads: int):
-    """Per row of the group outside the pool: its columns c0, c1, its queries [1, KV, G m, D]
-    and their attention over the row's own rest (outputs and log-sum-exps, ``attend_lse``)."""
+def _with_prefix(p: PooledRows, q: torch.Tensor, grouped: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor]
+                 ) -> torch.Tensor:
+    """``attend``'s outputs [H, P, D] where every query also sees a shared ``prefix``: the
+    rests over the padded batch ``grouped`` [n, KV, G M, D] (the kernel), then the prefix
+    and the merge (``prefix_attention``) for the rows' P queries a head alone. A padded
+    query (a slot of the window between the pass's rows, or a short row's query past its
+    tokens) attends none of its slot's keys, but each of it would take a lane of the prefix
+    kernel's blocks, whose cost is the prefix's length whatever they hold: 16 rows spread
+    over 20 slots made 40 queries a key head, two blocks of 32 where 32 fill one."""
     H, _, D = q.shape
-    G = H // kv_heads
-    for b, c0, c1, mask in c.alone:
-        cache = rows[b].kv.layers[layer]
-        s, m = starts[b], c1 - c0
-        grouped = q[None, :, s:s + m].reshape(1, kv_heads, G * m, D)
-        yield (c0, c1, grouped, *attend_lse(grouped, cache.keys[:, :, c.shared:],
-                                            cache.values[:, :, c.shared:], mask))
+    KV = grouped.shape[1]
+    rest = kernel_attention(grouped, keys, values, p.last, p.since)
+    if p.dense:  # [n, KV, G, D] in and out: no padding
+        out = torch.ops.specmesh_cpu.prefix_attention(grouped, *prefix, *rest, D ** -0.5)
+        return out.reshape(p.n, H, D).transpose(0, 1)
+    o_s, lse_s = compact(p, *rest)  # [P, KV, G, D], [P, KV, G]
+    mine = q[:, p.where].view(KV, H // KV, -1, D).permute(2, 0, 1, 3)  # [P, KV, G, D]
+    out = torch.ops.specmesh_cpu.prefix_attention(mine, *prefix, o_s, lse_s, D ** -0.5)
+    return out.reshape(-1, H, D).transpose(0, 1)  # [H, P, D]
 
 
-def cascade(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int], pool,
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The group's attention outputs [H, N, D] for queries q [H, T, D] in ``layer``; writes
-    its pooled rows' new keys and values (the others' caches were updated before)."""
-    H, _, D = q.shape
-    KV = k.shape[0]
-    G, N = H // KV, len(c.tok)
-    if c.prefix_kernel:  # each part's queries attend the prefix and merge in one operator
-        prefix = shared_part(c, layer, rows)
-        out = q.new_empty(H, N, D)
-        for p in c.pooled:
-            out[:, p.cols] = attend(p, pool.segments[p.segment][layer], q, k, v, prefix)
-        for c0, c1, grouped, o_s, lse_s in _rests_alone(c, layer, rows, starts, q, KV):
-            out[:, c0:c1] = torch.ops.specmesh_cpu.prefix_attention(
-                grouped, *prefix, o_s, lse_s, D ** -0.5).reshape(H, c1 - c0, D)
-        return out
-    o_s = q.new_empty(KV, G, N, D)  # over each row's own rest
-    lse_s = q.new_empty(KV, G, N, dtype=torch.float32)
-    for p in c.pooled:
-        o_s[:, :, p.cols], lse_s[:, :, p.cols] = _attend_slots_lse(
-            p, pool.segments[p.segment][layer], q, k, v)
-    for c0, c1, _, out, lse in _rests_alone(c, layer, rows, starts, q, KV):
-        m = c1 - c0
-        o_s[:, :, c0:c1], lse_s[:, :, c0:c1] = out.reshape(KV, G, m, D), lse.reshape(KV, G, m)
-    grouped = q[:, c.tok].view(1, KV, G * N, D)  # every query sees all the shared positions
-    keys, values = (t[None] for t in shared_part(c, layer, rows))  # [1, KV, shared, D]
-    if G * N >= DENSE_MIN:
-        o_p, lse_p = dense_lse(grouped, keys, values)
-    elif c.shared_last is not None:
-        o_p, lse_p = kernel_attention(grouped, keys, values, c.shared_last)
-    else:
-        o_p, lse_p = attend_lse(grouped, keys, values, None)  # [1, KV, G N, D], [1, KV, G N]
-    o_p, lse_p = o_p.reshape(KV, G, N, D), lse_p.reshape(KV, G, N)
-    lse = torch.logaddexp(lse_p, lse_s)
-    out = (o_p * (lse_p - lse).exp()[..., None]
-           + o_s * (lse_s - lse).exp()[..., None]).to(q.dtype)  # (lse is float32)
-    return out.reshape(H, N, D)
+def compact(p: PooledRows, out: torch.Tensor, lse: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' own tokens' part of a padded batch's outputs [n, KV, G M, D] and
+    log-sum-exps [n, KV, G M] (head g's M rows in turn): [P, KV, G, D] and [P, KV, G], the
+    tokens in the plan's order."""
+    n, KV, _, D = out.shape
+    if p.dense:
+        return out, lse
+    return (out.view(n, KV, -1, p.width, D)[p.rel, :, :, p.j],
+            lse.view(n, KV, -1, p.width)[p.rel, :, :, p.j])
 
 
 def advance(rows: Sequence, plans: Sequence[PooledRows]) -> None:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from drafter_svc.tree import tree_visibility
 from services import rotary
 from services.batching import Row, forward_one, forward_rows, shared_prefixes
-from services.kv_slab import KVPool, SlabCache
+from services.kv_slab import KVPool, SlabCache, pool_segment
 from services.lean_llama import (
     LeanLlama,
     lean_forward,
@@ -349,8 +349,9 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     their own (one call each), or some of each; the
     pooled rests attended by SDPA or by the CPU kernel, the shared prefix by the same or as
     matrix products (``dense_lse``), or the prefix and the merge by the kernel's
-    ``prefix_attention`` (an AVX-512 CPU). A wrong merge, mask or offset shows here."""
-    from services import cpu_kernels, ragged_attention
+    ``prefix_attention`` (AVX-512 or AVX2), once a layer for all the group's queries. A wrong
+    merge, mask or offset shows here."""
+    from services import cascade_attention, cpu_kernels
 
     hf, lean = models
     if slots == "segments":  # a pool of two slots a segment: the group's rows in three
@@ -367,10 +368,10 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
             pytest.skip("prefix_attention needs AVX-512 or AVX2; this CPU has neither")
         monkeypatch.setattr(torch.ops.specmesh_cpu, "prefix_attention", lambda *a, op=(
             torch.ops.specmesh_cpu.prefix_attention): prefix_calls.append(1) or op(*a))
-    monkeypatch.setattr(ragged_attention, "DENSE_MIN", 1 if dense else 10**9)
-    dense_lse = ragged_attention.dense_lse
+    monkeypatch.setattr(cascade_attention, "DENSE_MIN", 1 if dense else 10**9)
+    dense_lse = cascade_attention.dense_lse
     dense_calls = []
-    monkeypatch.setattr(ragged_attention, "dense_lse",
+    monkeypatch.setattr(cascade_attention, "dense_lse",
                         lambda *a: dense_calls.append(1) or dense_lse(*a))
     prefix = _ids(hf, 160, 99)
     chain = list(range(1000, 1010))  # 10 blocks of 16: SessionCache.hashes
@@ -391,8 +392,8 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
                              chain_tokens=16 * len(hashes)))
     assert shared_prefixes(lean_rows) == [([0, 1, 2, 4], 160)]
     calls = []
-    cascade = ragged_attention.cascade
-    monkeypatch.setattr(ragged_attention, "cascade",
+    cascade = cascade_attention.cascade
+    monkeypatch.setattr(cascade_attention, "cascade",
                         lambda c, *args: calls.append((c.shared, len(c.pooled))) or cascade(
                             c, *args))
     refs = [forward_one(hf, row, "cpu") for row in hf_rows]
@@ -403,10 +404,9 @@ def test_rows_sharing_a_prefix_attend_to_it_once_and_match_each_row_alone(models
     plans = {"pool": 2, "own": 0, "mixed": 2, "segments": 4}[slots]
     assert calls == [(160, plans)] * hf.config.num_hidden_layers  # one group, every layer
     assert len(dense_calls) == (hf.config.num_hidden_layers if dense else 0)
-    # with the prefix kernel: one call per plan of pooled rows, one per row of its own
-    own = {"pool": 0, "own": 4, "mixed": 1, "segments": 0}[slots]  # the group: rows 0, 1, 2, 4
-    assert len(prefix_calls) == (hf.config.num_hidden_layers * (plans + own)
-                                 if kernel == "prefix" else 0)
+    # with the prefix kernel: one call a layer for all the group's queries, wherever their
+    # rows' caches lie (the rests attended per plan and per row of its own first)
+    assert len(prefix_calls) == (hf.config.num_hidden_layers if kernel == "prefix" else 0)
     for (past, new, _), ref, out, row in zip(plan, refs, got, lean_rows, strict=True):
         torch.testing.assert_close(out, ref, **TOL)
         assert row.kv.get_seq_length() == len(past) + new
@@ -443,6 +443,14 @@ def _fed(lean, prompts: list[list[int]]) -> list[list]:
     return out
 
 
+def _segments_of(lean: LeanLlama, segment: int) -> None:
+    """Gives ``lean`` a new pool of ``segment`` slots a segment (a CPU's has 64: tests of
+    passes over several segments make them smaller)."""
+    p = lean.pool
+    lean.pool = KVPool(p.num_layers, lean._kv_heads, lean._head_dim, p.slot_len,
+                       segment=segment, max_slots=p.max_slots, dtype=p.dtype, device="cpu")
+
+
 def _same_caches(ours: list[list], theirs: list[list]) -> None:
     """Each pair of caches (``_fed``'s [cache, length] lists) holds as many positions and the
     very same keys and values."""
@@ -475,10 +483,13 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
     lean._uniform = lambda tokens: False
     if shared and not lean.kernel_prefix:
         pytest.skip("prefix_attention needs AVX-512 or AVX2; this CPU has neither")
-    written = []  # per attend call: were the keys written before it (the fused path)?
-    attend = ragged_attention.attend
-    monkeypatch.setattr(ragged_attention, "attend", lambda p, b, q, k, v, prefix=None: (
-        written.append((k is None, prefix is not None)) or attend(p, b, q, k, v, prefix)))
+    written = []  # per pooled call: were the keys written before it (the fused path)?
+    padded = ragged_attention.written_and_padded
+    monkeypatch.setattr(ragged_attention, "written_and_padded", lambda p, b, q, k, v: (
+        written.append(k is None) or padded(p, b, q, k, v)))
+    prefix_calls = []
+    monkeypatch.setattr(torch.ops.specmesh_cpu, "prefix_attention", lambda *a, op=(
+        torch.ops.specmesh_cpu.prefix_attention): prefix_calls.append(1) or op(*a))
     chain = list(range(500, 500 + shared // 16))  # the prefix's block hashes
 
     def sessions():
@@ -494,12 +505,15 @@ def test_a_pass_with_the_fused_rotary_and_cache_writes_gives_the_same_floats(row
         for caches, on in ((fused, True), (plain, False)):
             lean.kernel_rope = on
             written.clear()
+            prefix_calls.clear()
             with torch.inference_mode():
                 step_rows = [Row(tokens=[7 + step + b], kv=kv, start=s, keep=1, chain=chain,
                                  chain_tokens=shared) for b, (kv, s) in enumerate(caches)]
                 got.append(lean.forward_ragged(step_rows, shared_prefixes(step_rows)))
-            # one pooled call a layer, fused or not, over the shared prefix where there is one
-            assert written == [(on, bool(shared))] * len(lean.layers)
+            # one pooled call a layer, fused or not, and one over the shared prefix where
+            # there is one
+            assert written == [on] * len(lean.layers)
+            assert len(prefix_calls) == (len(lean.layers) if shared else 0)
             for c in caches:
                 c[1] += 1
         for a, b in zip(*got, strict=True):
@@ -595,11 +609,12 @@ def test_a_uniform_pass_runs_its_layers_in_one_operator_with_the_same_floats(row
     very floats of the layer-by-layer path and the caches hold the same keys and values. Rows
     that come in another order than their slots' (the order calls joined the batch) run in
     slot order and get their own logits back. Rows in more than one pool segment (more
-    sessions than a segment's 16 slots) run one such operator per segment. Sessions that
-    hold slots between the pass's rows but are not in it (``gap``: between their rounds)
-    keep their caches as they were."""
+    sessions than a segment's slots: 16 here, as on a GPU) run one such operator per
+    segment. Sessions that hold slots between the pass's rows but are not in it (``gap``:
+    between their rounds) keep their caches as they were."""
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
+    _segments_of(lean, 16)
     own = lean._uniform
     segments = -(-rows // lean.pool.segment)
     assert segments == (2 if rows == 20 else 1)
@@ -652,9 +667,10 @@ def test_a_uniform_pass_on_two_threads_runs_groups_of_rows_with_the_same_floats(
     a layer and every output is summed in one order whatever the rows beside it, so the
     logits over three steps and the caches are the one-thread pass's floats. The profiler
     counts each group's operators (its layers' residual adds): one run per group, where a
-    run over all rows would count one set."""
+    run over all rows would count one set. (Segments of 16 slots: 20 rows in two.)"""
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
+    _segments_of(lean, 16)
 
     def sessions():
         return _fed(lean, [torch.randint(0, 8000, (25 + 13 * b,), generator=torch.Generator()
@@ -763,5 +779,41 @@ def test_one_token_rows_and_a_verify_row_run_as_one_operator_each(verify_at):
             assert (ops.get("specmesh_cpu::dense_layers", 0) > 0) == (verify_at in (0, 8))
         else:
             outs.append([forward_rows(lean, [row], "cpu", _no_batch_cache)[0] for row in rows])
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_a_cpu_pool_keeps_the_sessions_of_a_busy_replica_in_one_segment():
+    """On a CPU a pool segment holds 64 slots (16 on a GPU, where its memory is taken at
+    once): sessions that end give their slots back a little after the next ones began, so
+    16 streams held up to 27 slots at times, and with segments of 16 half of a verifier's
+    passes straddled two of them (a call per segment, the layer loop). 16 sessions spread
+    over slots 0-26 among sessions at rest run as one ``dense_layers`` operator, each row's
+    logits those of the row alone."""
+    assert pool_segment(torch.device("cpu"), 256) == 64
+    assert pool_segment(torch.device("cuda"), 256) == 16
+    assert pool_segment(torch.device("cpu"), 10) == 10  # (a bound below a segment)
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+    lean = LeanLlama(model, pack=True, half=True)
+    if not lean.kernel_layer:
+        pytest.skip("the layers' fused operators need the project's CPU kernels")
+    assert lean.pool.segment == 64
+    g = torch.Generator().manual_seed(27)
+    prompts = [torch.randint(0, 8000, (20 + b,), generator=g).tolist() for b in range(27)]
+    live = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 23, 24, 26]
+    outs = []
+    for together in (True, False):
+        caches = _fed(lean, prompts)
+        rows = [Row(tokens=[5 + b], kv=caches[i][0], start=caches[i][1], keep=1)
+                for b, i in enumerate(live)]
+        assert [row.kv.slot for row in rows] == [caches[0][0].slot + i for i in live]
+        if together:
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                outs.append(lean.forward_ragged(rows, []))
+            ops = {e.key: e.count for e in prof.key_averages()}
+            assert ops.get("specmesh_cpu::dense_layers", 0) == 1
+        else:
+            outs.append([forward_rows(lean, [row], "cpu", _no_batch_cache)[0] for row in rows])
+        del caches, rows
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, **TOL)

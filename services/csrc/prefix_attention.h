@@ -1,12 +1,12 @@
 // Included by cpu_kernels.cpp at file scope, after its helpers (exp256's constants,
 // parallel_claims):
 // a cascade's shared prefix attended by all of its queries at once, merged with what each
-// query attended on its own (services/ragged_attention.py ``cascade``).
+// query attended on its own (services/cascade_attention.py ``cascade``).
 //
 // Rows that share a prefix of P positions attend to it with every query of the group: per key
 // head, Q = n R queries against the same P keys. The per-query kernel above reads each key
-// once per query (a decode pass is bound by that); here a block of 16 or 32 queries (the
-// fewer where a call has at most 16) is held transposed, QT [D][32], so each key's element is
+// once per query (a decode pass is bound by that); here a block of 16 or 32 queries
+// (``block_width``) is held transposed, QT [D][32], so each key's element is
 // broadcast once and multiplies them all in one or two AVX-512 vectors: scores S [keys][32] =
 // K QT by outer products (8 keys x 2 vectors in registers), a running max and sum per query
 // (online softmax, blocks of 64 keys), and the outputs O^T [D][32] += V^T P the same way.
@@ -210,6 +210,20 @@ template <int C, int TILE> AVX2 void prefix_block256(const PrefixTask& t) {
   }
 }
 
+// Queries a task: 32 (each key element multiplies two vectors of them), or 16 where a call has
+// at most 16 (a half-empty block costs as much) or where blocks of 16 spread the KV heads'
+// tasks over the threads more evenly. A block of 16 costs about half of one of 32 (0.53 on a
+// Zen 4, one thread, hot), so over T threads the pass waits for ceil(tasks / T) blocks of
+// either: 16 sessions of the demo target (3 key heads, 32 queries each) made 3 tasks of 32 on
+// 2 threads, 144 us a call against 214 on one thread; as 6 tasks of 16, the threads take
+// three each (docs/performance.md, 2026-11-29). The width changes no query's floats.
+int64_t block_width(int64_t Q, int64_t KV, int64_t threads) {
+  if (Q <= 16) return 16;
+  const int64_t t = std::max<int64_t>(threads, 1);
+  const auto waits = [&](int64_t w) { return (KV * ((Q + w - 1) / w) + t - 1) / t * (w / 16); };
+  return waits(16) < waits(kQueries) ? 16 : kQueries;
+}
+
 // "avx512" or "avx2": the best path this CPU runs (``isa``); "" for none
 std::string prefix_attention_isa() { return isa(); }
 
@@ -240,7 +254,7 @@ at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "prefix_attention: isa must be \"\", \"avx2\" or this CPU's (", found, "), got ", want);
   const bool wide = found == "avx512" && want != "avx2";
   const int64_t P = keys.size(1), Q = n * R;
-  const int64_t width = Q <= 16 ? 16 : kQueries;  // queries a task: a half-empty block costs as much
+  const int64_t width = block_width(Q, KV, at::get_num_threads());
   const int64_t blocks = (Q + width - 1) / width;
   auto out = at::empty({n, KV, R, D}, q.options());
   if (Q == 0 || KV == 0) return out;
