@@ -370,14 +370,18 @@ class LeanLlama(torch.nn.Module):
         # every segment's rows aligned, the pass's tokens one segment's after the other's
         # (one segment: every decode and verify pass of one stream): each segment's part runs
         # all of its layers as one operator (rows do not mix within a layer)
-        one_op = (self.kernel_rope and not cascades and parts_in_order(plans, T)
-                  and all(self._uniform(p.span.stop - p.span.start) for p in plans))
+        # (so does one cascade group's, its shared prefix attended in the same operator)
+        parts = plans if not cascades else solo.pooled if solo is not None else None
+        one_op = (self.kernel_rope and parts is not None and parts_in_order(parts, T)
+                  and all(self._uniform(p.span.stop - p.span.start) for p in parts))
         if fused or one_op:
             cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
         if one_op:
-            parts = [self.uniform_pass.run(x[:, p.span], p, self.pool.segments[p.segment],
-                                           cos_t[p.span], sin_t[p.span]) for p in plans]
-            x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            prefix = () if solo is None else [cascade_attention.shared_part(solo, i, rows)
+                                              for i in range(len(self.layers))]
+            outs = [self.uniform_pass.run(x[:, p.span], p, self.pool.segments[p.segment],
+                                          cos_t[p.span], sin_t[p.span], prefix) for p in parts]
+            x = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         for i, w in enumerate(self.layers if not one_op else ()):
             if fused:  # rotate, split and write the keys and values in one operator
                 p = plans[0] if solo is None else solo.pooled[0]

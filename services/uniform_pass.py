@@ -42,18 +42,22 @@ class UniformPass:
                         [w.down.half for w in layers]] if halves else None
 
     def run(self, x: torch.Tensor, p, segment: Sequence[tuple[torch.Tensor, torch.Tensor]],
-            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            cos: torch.Tensor, sin: torch.Tensor,
+            prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
         """Every layer over x [1, T, h] for the rows of ``p`` (their one pooled plan, whose
         rows are ``aligned``), their keys and values written into the segment's buffers
-        (``segment``: per layer keys, values [S, KV, slot_len, D]); cos, sin [T, D]. Returns
-        the last layer's output [1, T, h]."""
+        (``segment``: per layer keys, values [S, KV, slot_len, D]); cos, sin [T, D].
+        ``prefix``: per layer the shared prefix [KV, p.since, D] every row's cache begins
+        with (one cascade group: the rows attend it in ``prefix_attention``), or none.
+        Returns the last layer's output [1, T, h]."""
         H, KV, D = self._heads, self._kv_heads, self._head_dim
         ln1, qkv, o, ln2, gate_up, down = self.weights
         return torch.ops.specmesh_cpu.dense_layers(
             x[0], ln1, qkv, (H + 2 * KV) * D, o, ln2, gate_up, 2 * self._inter, down,
             [b[0] for b in segment], [b[1] for b in segment], cos, sin, H, KV, self._eps,
             D ** -0.5, p.slot, p.pos, p.lo, p.width, p.since, p.keys, p.last,
-            p.rel if p.width == 1 else p.rel[::p.width].contiguous())[None]
+            p.rel if p.width == 1 else p.rel[::p.width].contiguous(),
+            [k for k, _ in prefix], [v for _, v in prefix])[None]
 
 
 def slot_order(rows: Sequence) -> list[int] | None:

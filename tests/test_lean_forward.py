@@ -721,11 +721,12 @@ def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, p
     pass could run its layers as one operator, only when the groups save 200 positions
     (rows after each group's first times its prefix) a token of the pass: pairs, and eight
     of sixteen rows sharing 160 positions (70 a token), run ``dense_layers``; eight sharing
-    400 (350 a token) attend the prefix in ``prefix_attention``, as eight sharing 160 do
-    beside a verify row of four tokens (the pass runs layer by layer anyway); without the
-    groups that pass runs its one-token rows and its verify row as one operator each (two
-    plans: services/ragged_attention.py ``plan``). Either way the logits are those of the
-    same rows attending their own copies of the prefix."""
+    400 (350 a token) keep their group, which as the pass's only rows, in one segment, runs
+    as one operator with the prefix attended in it; eight sharing 160 keep theirs beside a
+    verify row of four tokens, and that pass runs layer by layer with ``prefix_attention``
+    called a layer; without the groups that pass runs its one-token rows and its verify row
+    as one operator each (two plans: services/ragged_attention.py ``plan``). Either way the
+    logits are those of the same rows attending their own copies of the prefix."""
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
     lean = LeanLlama(model, pack=True, half=True)
     if not lean.kernel_prefix:
@@ -739,17 +740,28 @@ def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, p
                     for b in range(size)]
     prompts += [torch.randint(0, 8000, (prefix + 3,), generator=g).tolist()
                 for _ in range(alone + wide)]
+    kept, prefixed = [], []  # the groups each pass kept; each one-operator part's prefix
+    cascades, run = lean._cascades, lean.uniform_pass.run
+    lean._cascades = lambda *a: kept.append(cascades(*a)) or kept[-1]
+    lean.uniform_pass.run = lambda *a: prefixed.append(bool(a[5])) or run(*a)
     runs = []
     for sharing in (shared, []):
         caches = _fed(lean, prompts)
         rows = [Row(tokens=[9 + b] * (4 if wide and b == len(caches) - 1 else 1), kv=kv,
                     start=s, keep=1) for b, (kv, s) in enumerate(caches)]
+        kept.clear()
+        prefixed.clear()
         with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
             runs.append(lean.forward_ragged(rows, sharing))
         ops = {e.key: e.count for e in prof.key_averages()}
-        attended_once = ops.get("specmesh_cpu::prefix_attention", 0) > 0
-        assert attended_once == (cascade and bool(sharing))
-        assert (ops.get("specmesh_cpu::dense_layers", 0) > 0) == (not attended_once)
+        grouped = cascade and bool(sharing)
+        assert bool(kept[0]) == grouped
+        layer_loop = grouped and wide  # a group beside a row outside it
+        assert ops.get("specmesh_cpu::prefix_attention", 0) == (
+            len(lean.layers) if layer_loop else 0)
+        assert (ops.get("specmesh_cpu::dense_layers", 0) > 0) == (not layer_loop)
+        assert prefixed == ([] if layer_loop else [grouped] if grouped else
+                            [False] * (1 + wide))
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, **TOL)
 
@@ -817,3 +829,53 @@ def test_a_cpu_pool_keeps_the_sessions_of_a_busy_replica_in_one_segment():
         del caches, rows
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("threads, gap", [(1, False), (2, False), (2, True)],
+                         ids=["one-thread", "two-threads", "two-threads-and-a-gap"])
+def test_a_pass_of_one_group_sharing_a_prefix_runs_as_one_operator_with_the_same_floats(
+        threads, gap):
+    """A pass whose rows all share one prefix, in one pool segment (16 streams behind one
+    system prompt), runs its layers in ``dense_layers`` with the prefix attended in it
+    (``prefix_attention`` per layer from C++): over three decode steps, the very logits and
+    cache contents of the layer loop that calls ``prefix_attention`` from Python, on one
+    thread and on two (groups of rows, each attending the prefix for its own queries), and
+    with a session at rest holding a slot between the rows."""
+    model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+    lean = LeanLlama(model, pack=True, half=True)
+    if not (lean.kernel_prefix and lean.kernel_layer):
+        pytest.skip("prefix_attention needs AVX-512 or AVX2; this CPU has neither")
+    own = lean._uniform
+    chain = list(range(700, 725))  # the prefix's 25 block hashes: 400 positions
+
+    def sessions():
+        g = torch.Generator().manual_seed(11)
+        prefix = torch.randint(0, 8000, (400,), generator=g).tolist()
+        fed = _fed(lean, [prefix + torch.randint(0, 8000, (5 + 3 * b,), generator=g).tolist()
+                          for b in range(13)])
+        return [c for i, c in enumerate(fed) if not (gap and i == 4)]
+
+    one, layered = sessions(), sessions()
+    count = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for step in range(3):
+            got = []
+            for caches, one_op in ((one, True), (layered, False)):
+                lean._uniform = own if one_op else lambda tokens: False
+                rows = [Row(tokens=[3 + step + b], kv=kv, start=s, keep=1, chain=chain,
+                            chain_tokens=400) for b, (kv, s) in enumerate(caches)]
+                assert shared_prefixes(rows) == [(list(range(len(rows))), 400)]
+                with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                    got.append(lean.forward_ragged(rows, shared_prefixes(rows)))
+                ops = {e.key: e.count for e in prof.key_averages()}
+                assert ops.get("specmesh_cpu::dense_layers", 0) == (1 if one_op else 0)
+                assert ops.get("specmesh_cpu::prefix_attention", 0) == (
+                    0 if one_op else len(lean.layers))
+                for c in caches:
+                    c[1] += 1
+            for a, b in zip(*got, strict=True):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(count)
+    _same_caches(one, layered)

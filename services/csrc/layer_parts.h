@@ -41,7 +41,10 @@ at::Tensor norm_qkv_store(const at::Tensor& x, const at::Tensor& ln1, double eps
 // x [T, h] with T = rows width; per layer i: ln1, qkv (qkv_n = (H + 2 KV) D outputs), o, ln2,
 // gate_up (gu_n outputs), down, and the segment's key and value buffers [S, KV, slot_len, D];
 // last [n, width]; rows_at [rows] (n = rows: the window has no gaps, and it is not read).
-// Returns the last layer's output [T, h].
+// prefix_keys, prefix_values: none, or per layer a shared prefix [KV, since, D] that every row's
+// cache begins with (services/cascade_attention.py): the rows' own queries then attend it and
+// merge with what they attended from ``since`` on in ``prefix_attention``, as the layer loop
+// does for such a pass. Returns the last layer's output [T, h].
 namespace {
 
 constexpr int64_t kGroupTokens = 8;  // tokens of a group of rows on more than one thread
@@ -53,21 +56,28 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
                        at::TensorList keys, at::TensorList values, const at::Tensor& cos, const at::Tensor& ssin,
                        int64_t heads, int64_t kv_heads, double eps, double scale, const at::Tensor& slot,
                        const at::Tensor& pos, int64_t lo, int64_t width, int64_t since, int64_t keys_end,
-                       const at::Tensor& last, const at::Tensor& rows_at) {
+                       const at::Tensor& last, const at::Tensor& rows_at, at::TensorList prefix_keys,
+                       at::TensorList prefix_values) {
   const int64_t T = x.size(0), D = qkv_n / (heads + 2 * kv_heads), G = heads / kv_heads;
   const int64_t rows = T / width, n = last.size(0);
   const bool gaps = n != rows;
   const auto span = [&](const at::Tensor& b) { return b.narrow(0, lo, n).narrow(2, since, keys_end - since); };
+  const auto grouped = [&](const at::Tensor& t, int64_t count) {  // [count, width, H, D] -> [count, KV, G width, D]
+    return t.transpose(1, 2).contiguous().view({count, kv_heads, G * width, D});
+  };
   for (size_t i = 0; i < ln1.size(); ++i) {
     const auto q = norm_qkv_store(x, ln1[i], eps, qkv[i], qkv_n, cos, ssin, heads, kv_heads, keys[i],
                                   values[i], slot, pos);  // [T, H, D]
     auto queries = q.view({rows, width, heads, D});
-    if (gaps) queries = at::zeros({n, width, heads, D}, q.options()).index_copy_(0, rows_at, queries);
-    const auto padded = queries.transpose(1, 2).contiguous().view({n, kv_heads, G * width, D});
-    auto out = std::get<0>(pooled_attention(padded, span(keys[i]), span(values[i]), last, since, scale))
-                   .view({n, heads, width, D});
+    const auto padded = grouped(
+        gaps ? at::zeros({n, width, heads, D}, q.options()).index_copy_(0, rows_at, queries) : queries, n);
+    auto [out, lse] = pooled_attention(padded, span(keys[i]), span(values[i]), last, since, scale);
     if (gaps) out = out.index_select(0, rows_at);
-    const auto attn = out.transpose(1, 2).reshape({T, heads * D});
+    if (!prefix_keys.empty()) {  // the rows' own queries over the prefix, merged with their rests
+      out = prefix_attention(gaps ? grouped(queries, rows) : padded, prefix_keys[i], prefix_values[i], out,
+                             gaps ? lse.index_select(0, rows_at) : lse, scale, "");
+    }
+    const auto attn = out.view({rows, heads, width, D}).transpose(1, 2).reshape({T, heads * D});
     x = mlp_tail(x, attn, o[i], ln2[i], eps, gate_up[i], gu_n, down[i]);
   }
   return x;
@@ -81,10 +91,15 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
                         const at::Tensor& cos, const at::Tensor& ssin, int64_t heads, int64_t kv_heads,
                         double eps, double scale, const at::Tensor& slot, const at::Tensor& pos, int64_t lo,
                         int64_t width, int64_t since, int64_t keys_end, const at::Tensor& last,
-                        const at::Tensor& rows_at) {
+                        const at::Tensor& rows_at, at::TensorList prefix_keys, at::TensorList prefix_values) {
   const size_t layers = ln1.size();
   for (const auto* list : {&qkv, &o, &ln2, &gate_up, &down, &keys, &values})
     TORCH_CHECK(list->size() == layers, "dense_layers: one weight and buffer of each kind a layer");
+  TORCH_CHECK(prefix_keys.size() == prefix_values.size() && (prefix_keys.empty() || prefix_keys.size() == layers),
+              "dense_layers: prefix_keys and prefix_values must be empty or one [KV, since, D] a layer");
+  for (size_t i = 0; i < prefix_keys.size(); ++i)
+    TORCH_CHECK(prefix_keys[i].dim() == 3 && prefix_keys[i].size(1) == since,
+                "dense_layers: a layer's prefix must be [KV, since, D]: its rows' positions before since");
   TORCH_CHECK(x.dim() == 2, "dense_layers: x must be [T, h]");
   TORCH_CHECK(heads % kv_heads == 0, "dense_layers: heads must be a multiple of kv_heads");
   const int64_t T = x.size(0);
@@ -106,7 +121,8 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
   const int64_t groups = (rows + per_group - 1) / per_group;
   if (at::get_num_threads() <= 1 || at::in_parallel_region() || groups < 2)
     return layers_over(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
-                       kv_heads, eps, scale, slot, pos, lo, width, since, keys_end, last, rows_at);
+                       kv_heads, eps, scale, slot, pos, lo, width, since, keys_end, last, rows_at, prefix_keys,
+                       prefix_values);
   const auto at_cpu = rows_at.to(at::kLong).contiguous();
   const int64_t* where = at_cpu.data_ptr<int64_t>();
   auto result = at::empty_like(x);
@@ -122,7 +138,7 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
       result.narrow(0, t0, tn).copy_(layers_over(
           sub(x), ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, sub(cos), sub(ssin), heads,
           kv_heads, eps, scale, sub(slot), sub(pos), lo + first, width, since, keys_end,
-          last.narrow(0, first, final - first + 1), at_rows));
+          last.narrow(0, first, final - first + 1), at_rows, prefix_keys, prefix_values));
     });
   });
   return result;
