@@ -244,7 +244,9 @@ class LeanLlama(torch.nn.Module):
         one pays for a whole block over the prefix); and where the pass could otherwise run
         its layers in one operator (every row pooled, all of one size: ``_uniform``), the
         groups only when they save ``cascade_attention.SHARED_MIN_SAVED`` positions a token
-        of the pass (any group keeps the whole pass in the layer-by-layer path)."""
+        of the pass (a group keeps the whole pass in the layer-by-layer path, unless it holds
+        every row in one segment: ``dense_layers`` then attends its prefix; whether such a
+        group saving fewer positions pays was not measured, so the rule holds for it too)."""
         if not self.kernel_prefix:
             return list(shared)
         G = self._heads // self._kv_heads

@@ -11,8 +11,12 @@ the window has gaps, and ``mlp_tail``) from C++: the same floats, without the in
 the dispatch of three operators between them (~20 us a layer on one row). A one-session
 decode pass of the demo target ran ~12% shorter with it, a 4-token verify ~19%
 (docs/performance.md, 2026-11-28). A pass over more sessions than a pool segment's slots
-(16) runs one such operator per segment, each over its own rows (``parts_in_order``): rows do
-not mix within a layer, so the parts give the pass's floats, the weights read once a part.
+(64 on a CPU) runs one such operator per segment, each over its own rows
+(``parts_in_order``): rows do not mix within a layer, so the parts give the pass's floats,
+the weights read once a part. A pass whose rows all share one prefix (one cascade group,
+services/cascade_attention.py) runs so too, the operator given each layer's prefix: each
+row's queries attend it in ``prefix_attention`` and merge with their rests, the layer loop's
+floats.
 
 Calls join a replica's running batch in the order they arrive, which after the first wave of
 requests is not their slots' order: ``slot_order`` says how to take a pass's rows so that

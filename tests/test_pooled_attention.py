@@ -144,7 +144,7 @@ def test_a_shared_prefix_as_matrix_products_gives_pytorchs_flash_attention(scale
     against PyTorch's CPU flash kernel with no mask, outputs and log-sum-exps, over views of
     slot buffers as the pool lays them out; scores far beyond exp's float32 range must come
     out finite (the maximum is taken out before exp)."""
-    from services.ragged_attention import dense_lse
+    from services.cascade_attention import dense_lse
 
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 3, 1024, 64, generator=g)[:, :, :800]
