@@ -129,8 +129,8 @@ def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequen
             tok.append(t)
     mine = [b for b in idx if b in pooled]
     return Cascade(rows=list(idx), shared=shared, tok=torch.tensor(tok, device=device),
-                   pooled=ragged_attention.plan(rows, mine, starts, pool, group, device, shared, columns,
-                               kernel),
+                   pooled=ragged_attention.plan(rows, mine, starts, pool, group, device,
+                                                shared, columns, kernel),
                    shared_last=torch.full((1, 1), shared - 1, dtype=torch.long,
                                           device=device) if kernel else None,
                    alone=alone, prefix_kernel=prefix_kernel)

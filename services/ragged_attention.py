@@ -161,7 +161,7 @@ def plan(rows: Sequence, members: Sequence[int], starts: Sequence[int], pool, gr
 
 
 def written_and_padded(p: PooledRows, buffers: tuple[torch.Tensor, torch.Tensor],
-                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+                       q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Writes the rows' new keys and values k, v [KV, T, D] into their slots of the
     segment's ``buffers`` (keys, values [S, KV, slot_len, D]); returns their queries from q
     [H, T, D] padded [n, KV, G M, D] and the slots' keys and values [n, KV, Lmax - since, D]
@@ -241,8 +241,8 @@ def compact(p: PooledRows, out: torch.Tensor, lse: torch.Tensor
     n, KV, _, D = out.shape
     if p.dense:
         return out, lse
-    return (out.view(n, KV, -1, p.width, D)[p.rel, :, :, p.j],
-            lse.view(n, KV, -1, p.width)[p.rel, :, :, p.j])
+    return (out.reshape(n, KV, -1, p.width, D)[p.rel, :, :, p.j],
+            lse.reshape(n, KV, -1, p.width)[p.rel, :, :, p.j])
 
 
 def advance(rows: Sequence, plans: Sequence[PooledRows]) -> None:
