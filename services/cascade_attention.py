@@ -56,12 +56,13 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # group pays for a whole block over the prefix. And a pass whose rows could run their layers
 # as one operator keeps its groups only when they save SHARED_MIN_SAVED positions (rows after
 # a group's first times its prefix) a token of the pass: a group keeps the whole pass in the
-# layer-by-layer path (but one holding every row in one segment: services/uniform_pass.py
-# takes its prefix). Demo target, one thread, whole passes alternated (docs/performance.md,
-# 2026-11-28): 32 sessions in pairs sharing 130-500 positions took 26-46 ms a pass with
-# the pairs' cascades, 16-28 without; among 32 sessions one group of 16 sharing 250 positions
-# (117 saved a token) or of 8 sharing 800 (175) lost 1.5 ms each, while 16 of 16 sharing 250
-# (234) won 1.2 ms and 16 of 32 sharing 800 (375) won 3 ms.
+# layer-by-layer path (one group holding every row in one segment keeps the pass one
+# operator, services/uniform_pass.py taking its prefix: the rule does not drop it). Demo
+# target, one thread, whole passes alternated (docs/performance.md, 2026-11-28): 32 sessions
+# in pairs sharing 130-500 positions took 26-46 ms a pass with the pairs' cascades, 16-28
+# without; among 32 sessions one group of 16 sharing 250 positions (117 saved a token) or of
+# 8 sharing 800 (175) lost 1.5 ms each, while 16 of 16 sharing 250 (234) won 1.2 ms and 16 of
+# 32 sharing 800 (375) won 3 ms.
 PREFIX_MIN_QUERIES = 16
 SHARED_MIN_SAVED = 200
 DENSE_MIN = 16  # queries per key head from which a shared prefix is attended by ``dense_lse``

@@ -237,23 +237,27 @@ class LeanLlama(torch.nn.Module):
                 and self.uniform_pass.weights is not None)
 
     def _cascades(self, shared: list[tuple[list[int], int]], sizes: list[int],
-                  all_pooled: bool) -> list[tuple[list[int], int]]:
+                  all_pooled: bool, one_segment: bool = False) -> list[tuple[list[int], int]]:
         """The groups of ``shared`` whose rows attend their shared prefix once (cascade
         attention). With the prefix kernel: a group only when it fills one of the kernel's
         blocks of queries (``cascade_attention.PREFIX_MIN_QUERIES`` a key head: a smaller
         one pays for a whole block over the prefix); and where the pass could otherwise run
         its layers in one operator (every row pooled, all of one size: ``_uniform``), the
         groups only when they save ``cascade_attention.SHARED_MIN_SAVED`` positions a token
-        of the pass (a group keeps the whole pass in the layer-by-layer path, unless it holds
-        every row in one segment: ``dense_layers`` then attends its prefix; whether such a
-        group saving fewer positions pays was not measured, so the rule holds for it too)."""
+        of the pass (a group keeps the whole pass in the layer-by-layer path), unless one
+        group holds every row and they are in one segment (``one_segment``): the pass then
+        runs as one operator with the prefix attended in it, which paid even where little is
+        shared (16 demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a pass on
+        two threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29)."""
         if not self.kernel_prefix:
             return list(shared)
         G = self._heads // self._kv_heads
         groups = [(idx, p) for idx, p in shared
                   if sum(sizes[b] for b in idx) * G >= cascade_attention.PREFIX_MIN_QUERIES]
         saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
-        if (groups and all_pooled and len(set(sizes)) == 1 and self._uniform(sizes[0])
+        whole = len(groups) == 1 and len(groups[0][0]) == len(sizes) and one_segment
+        if (groups and all_pooled and not whole and len(set(sizes)) == 1
+                and self._uniform(sizes[0])
                 and saved < cascade_attention.SHARED_MIN_SAVED * sum(sizes)):
             return []
         return groups
@@ -343,7 +347,9 @@ class LeanLlama(torch.nn.Module):
         top = max(r.start + m for r, m in zip(rows, sizes, strict=True))
         cos, sin = (t[0] for t in self.rope(x, positions, top))  # [T, 1, D], over heads
         pooled = set(self._pooled(rows))  # rows attended in their pool slots
-        groups = self._cascades(shared, sizes, len(pooled) == len(rows)) if dev.type == "cpu" else []
+        one_segment = len({rows[b].kv.slot // self.pool.segment for b in pooled}) == 1
+        groups = (self._cascades(shared, sizes, len(pooled) == len(rows), one_segment)
+                  if dev.type == "cpu" else [])
         grouped = {b for idx, _ in groups for b in idx}
         masks = {b: None if sizes[b] == 1 else  # one query sees every key: no mask needed
                  group_mask(torch.ones(sizes[b], rows[b].start + sizes[b], dtype=torch.bool,

@@ -710,9 +710,9 @@ def test_a_uniform_pass_on_two_threads_runs_groups_of_rows_with_the_same_floats(
 
 @pytest.mark.parametrize("groups, alone, prefix, wide, cascade", [
     ([2, 2, 2, 2], 0, 160, False, False), ([8], 8, 160, False, False),
-    ([8], 0, 400, False, True), ([8], 0, 160, True, True)],
+    ([8], 0, 400, False, True), ([16], 0, 160, False, True), ([8], 0, 160, True, True)],
     ids=["pairs", "eight-of-sixteen-sharing-little", "eight-sharing-much",
-         "eight-beside-a-verify"])
+         "sixteen-sharing-little", "eight-beside-a-verify"])
 def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, prefix, wide,
                                                                  cascade):
     """With the prefix kernel a group of rows attends its shared prefix once (cascade
@@ -722,7 +722,9 @@ def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, p
     (rows after each group's first times its prefix) a token of the pass: pairs, and eight
     of sixteen rows sharing 160 positions (70 a token), run ``dense_layers``; eight sharing
     400 (350 a token) keep their group, which as the pass's only rows, in one segment, runs
-    as one operator with the prefix attended in it; eight sharing 160 keep theirs beside a
+    as one operator with the prefix attended in it, and so do sixteen sharing 160 (150 a
+    token: the rule does not hold for a group of every row in one segment, whose pass stays
+    one operator); eight sharing 160 keep theirs beside a
     verify row of four tokens, and that pass runs layer by layer with ``prefix_attention``
     called a layer; without the groups that pass runs its one-token rows and its verify row
     as one operator each (two plans: services/ragged_attention.py ``plan``). Either way the
