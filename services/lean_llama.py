@@ -236,8 +236,8 @@ class LeanLlama(torch.nn.Module):
         return (self.kernel_layer and tokens <= half_linear.ROWS_MAX
                 and self.uniform_pass.weights is not None)
 
-    def _cascades(self, shared: list[tuple[list[int], int]], sizes: list[int],
-                  all_pooled: bool, one_segment: bool = False) -> list[tuple[list[int], int]]:
+    def _cascades(self, shared: list[tuple[list[int], int]], rows, sizes: list[int],
+                  pooled: set[int]) -> list[tuple[list[int], int]]:
         """The groups of ``shared`` whose rows attend their shared prefix once (cascade
         attention). With the prefix kernel: a group only when it fills one of the kernel's
         blocks of queries (``cascade_attention.PREFIX_MIN_QUERIES`` a key head: a smaller
@@ -245,22 +245,23 @@ class LeanLlama(torch.nn.Module):
         its layers in one operator (every row pooled, all of one size: ``_uniform``), the
         groups only when they save ``cascade_attention.SHARED_MIN_SAVED`` positions a token
         of the pass (a group keeps the whole pass in the layer-by-layer path), unless one
-        group holds every row and they are in one segment (``one_segment``): the pass then
-        runs as one operator with the prefix attended in it, which paid even where little is
-        shared (16 demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a pass on
-        two threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29)."""
+        group holds every row and they are in one segment: the pass then runs as one operator
+        with the prefix attended in it, which paid even where little is shared (16
+        demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a pass on two
+        threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29)."""
         if not self.kernel_prefix:
             return list(shared)
         G = self._heads // self._kv_heads
         groups = [(idx, p) for idx, p in shared
                   if sum(sizes[b] for b in idx) * G >= cascade_attention.PREFIX_MIN_QUERIES]
+        if (not groups or len(pooled) < len(rows) or len(set(sizes)) > 1
+                or not self._uniform(sizes[0])):
+            return groups  # (the rule covers passes of pooled rows of one size only)
+        if (len(groups) == 1 and len(groups[0][0]) == len(rows)
+                and len({rows[b].kv.slot // self.pool.segment for b in pooled}) == 1):
+            return groups  # one group of every row in one segment: still one operator
         saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
-        whole = len(groups) == 1 and len(groups[0][0]) == len(sizes) and one_segment
-        if (groups and all_pooled and not whole and len(set(sizes)) == 1
-                and self._uniform(sizes[0])
-                and saved < cascade_attention.SHARED_MIN_SAVED * sum(sizes)):
-            return []
-        return groups
+        return groups if saved >= cascade_attention.SHARED_MIN_SAVED * sum(sizes) else []
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., V] of x [..., h]."""
@@ -347,9 +348,7 @@ class LeanLlama(torch.nn.Module):
         top = max(r.start + m for r, m in zip(rows, sizes, strict=True))
         cos, sin = (t[0] for t in self.rope(x, positions, top))  # [T, 1, D], over heads
         pooled = set(self._pooled(rows))  # rows attended in their pool slots
-        one_segment = len({rows[b].kv.slot // self.pool.segment for b in pooled}) == 1
-        groups = (self._cascades(shared, sizes, len(pooled) == len(rows), one_segment)
-                  if dev.type == "cpu" else [])
+        groups = self._cascades(shared, rows, sizes, pooled) if dev.type == "cpu" else []
         grouped = {b for idx, _ in groups for b in idx}
         masks = {b: None if sizes[b] == 1 else  # one query sees every key: no mask needed
                  group_mask(torch.ones(sizes[b], rows[b].start + sizes[b], dtype=torch.bool,
