@@ -305,7 +305,8 @@ class GenerationEngine:
                 plan = RoundPlan(req.spec.params, k, kind, req.seed,
                                  acceptance=self.k.acceptance_of(kind).alpha(0.7),
                                  logprobs=req.spec.logprobs, tokens=plain,
-                                 ahead=0 if k else self._ahead_tokens(req, plain))
+                                 ahead=0 if k else self._ahead_tokens(req, plain),
+                                 local=_local_drafts(req.spec))
                 r = await self.rounds.run(req.rounds, plan, req.deadline)
         except BaseException:
             round_span.end()
@@ -397,3 +398,10 @@ class GenerationEngine:
         await self._end_session(handle, owner)
         await self._free_caches(handle)
         return len(handle.tokens)
+
+
+def _local_drafts(spec: GenerationSpec) -> bool:
+    """Whether the request's rounds without drafts may draft with a verifier's own draft
+    model (VerifyCall.local): where it speculates, and its output does not depend on how
+    its tokens were drawn (greedy), or no seed asks for the same draws every time."""
+    return spec.speculate and (spec.params.greedy or spec.seed is None)

@@ -58,3 +58,4 @@ class RoundPlan:
     logprobs: int = -1  # top log-probabilities per token (-1: none)
     tokens: int = 1  # what a round without drafts asks the verifier for
     ahead: int = 0  # a round without drafts: the next one's tokens, to decode ahead (0: none)
+    local: bool = False  # a round without drafts may draft with the verifier's own drafter

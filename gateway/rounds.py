@@ -123,7 +123,8 @@ class RoundRunner:
             tree_drafter, fanout, trees = self._tree(h, k, mid)
         verify = self._verify(h, params, drafted, round_seed(seed, round_index, "verify"),
                               deadline, logprobs, 1 if drafted is not None else tokens,
-                              ahead=ahead_tokens, ahead_seed=ahead_seed, beside=fanout > 0)
+                              ahead=ahead_tokens, ahead_seed=ahead_seed, beside=fanout > 0,
+                              local=plan.local and drafted is None)
         ahead = None
         if fanout:
             valid = old if fresh else min(h.drafter.length, old)
@@ -369,10 +370,12 @@ class RoundRunner:
     async def _verify(self, h: SessionHandle, params: SamplingParams,
                       draft: DraftResult | None, seed: int, deadline,
                       logprobs: int = -1, tokens: int = 1, ahead: int = 0,
-                      ahead_seed: int = 0, beside: bool = False) -> VerifyResult:
+                      ahead_seed: int = 0, beside: bool = False, local: bool = False
+                      ) -> VerifyResult:
         """``ahead`` (no ``draft``): the next round's tokens, which the verifier decodes once
         it answers (verifier_svc/decode_ahead.py), from ``ahead_seed``. ``beside``: a tree
-        is drafted meanwhile (VerifyCall.beside)."""
+        is drafted meanwhile (VerifyCall.beside). ``local`` (no ``draft``): the verifier may
+        draft with its own draft model (VerifyCall.local)."""
         sparse = draft is not None and not params.greedy
 
         async def call(replica, base: int) -> VerifyResult:
@@ -381,7 +384,7 @@ class RoundRunner:
                 draft_ids=draft.token_ids if draft else (),
                 q_ids=draft.q_ids if sparse else (), q_probs=draft.q_probs if sparse else (),
                 params=params, seed=seed, logprobs=logprobs, max_tokens=tokens,
-                ahead=ahead, ahead_seed=ahead_seed, beside=beside),
+                ahead=ahead, ahead_seed=ahead_seed, beside=beside, local=local),
                 self._timeout(deadline))
 
         result = await self._on_replica(h, self.verifiers, "verifier", call, deadline=deadline)

@@ -262,7 +262,8 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 def run_step(model, jobs: Sequence[StepJob], device: torch.device,
              new_cache: Callable[[], Any], prefill_threads: int = 0,
-             plain: PlainThreads | None = None) -> tuple[list[BaseException | None], float]:
+             plain: PlainThreads | None = None, drafter: Any = None
+             ) -> tuple[list[BaseException | None], float]:
     """One forward pass over each job's next row; returns (per job its error or None, the
     pass's milliseconds). A job that fails is reported and the others go on; a failed pass
     fails every job in it. The caller (services/model_runner.py) decides which jobs run the
@@ -275,8 +276,13 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
     ``plain``: a verifier's choice of threads for a decode pass (services/plain_threads.py),
     when it has more cores for them, made apart for passes that verify no drafts (every row
     one logit) and passes that verify drafts; a pass beside which a drafter drafts the next
-    round (a job's ``beside``) runs on the service's own threads."""
+    round (a job's ``beside``) runs on the service's own threads.
+
+    ``drafter``: a verifier's own draft model (verifier_svc/local_drafts.py), which first
+    drafts for the jobs that may take drafts; its passes count as the step's."""
     start = time.perf_counter()
+    if drafter is not None:
+        drafter.prepare(jobs, start)
     errors: list[BaseException | None] = [None] * len(jobs)
     rows, live = [], []
     for i, job in enumerate(jobs):

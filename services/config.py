@@ -136,6 +136,8 @@ class ModelServiceConfig:
     prefill_threads: int = 0  # torch threads for a pass that feeds a prompt; 0 = threads
     plain_threads: int = 0  # a verifier's passes without drafts: tried on this many; 0 = off
     stall_s: float = 120.0  # a pass running longer: health NOT_SERVING until it ends; 0 = off
+    local_drafter: str = ""  # a verifier's own draft model for its plain rounds; "" = none
+    local_draft_tokens: int = 3  # ... tokens it drafts a pass
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
@@ -159,6 +161,9 @@ class ModelServiceConfig:
                  f"plain threads must be >= 0 (0 = --threads), got {self.plain_threads}")
         _require(1 <= self.prefix_block <= 1024,
                  f"prefix block size must be in 1..1024 tokens, got {self.prefix_block}")
+        _require(1 <= self.local_draft_tokens <= self.max_draft_tokens,
+                 f"local draft tokens must be in 1..{self.max_draft_tokens} (--max-draft-tokens),"
+                 f" got {self.local_draft_tokens}")
 
 
 @dataclass(frozen=True)

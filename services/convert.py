@@ -116,7 +116,7 @@ def verify_call_to_pb(c: VerifyCall) -> verifier_pb2.VerifyRequest:
                                       top_logprobs=max(0, c.logprobs),
                                       max_tokens=c.max_tokens if c.max_tokens > 1 else 0,
                                       ahead=c.ahead, ahead_seed=c.ahead_seed,
-                                      drafting_beside=c.beside)
+                                      drafting_beside=c.beside, local_drafts=c.local)
 
 
 def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
@@ -127,7 +127,7 @@ def verify_call_from_pb(m: verifier_pb2.VerifyRequest) -> VerifyCall:
                       params=params, seed=seed,
                       logprobs=m.top_logprobs if m.logprobs else -1,
                       max_tokens=max(1, m.max_tokens), ahead=m.ahead, ahead_seed=m.ahead_seed,
-                      beside=m.drafting_beside)
+                      beside=m.drafting_beside, local=m.local_drafts)
 
 
 def verify_result_to_pb(r: VerifyResult) -> verifier_pb2.VerifyResponse:

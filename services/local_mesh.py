@@ -66,7 +66,8 @@ class MeshSpec:
     while the prompt it will draft from is being computed. Its passes that verify no drafts
     are tried on as many (``--plain-threads``): no drafter works beside them; the verifier
     keeps what serves more. Its OpenMP threads spin only briefly between passes
-    (``_omp_env``)."""
+    (``_omp_env``). With ``local_drafts`` each verifier holds the draft model as well
+    (``--local-drafter``, verifier_svc/local_drafts.py), unless its extra args name one."""
 
     target: str
     draft: str
@@ -84,6 +85,7 @@ class MeshSpec:
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the service processes
     tls: tuple[str, str, str] = ()  # (cert, key, ca) PEM files: TLS + mTLS on every tier
     metrics_port: int = 0  # base: the gateway gets it, each verifier/drafter the next; 0 = off
+    local_drafts: bool = True  # verifiers hold the draft model too (--local-drafter)
 
     def metrics_ports(self) -> dict[str, int]:
         """Each process's Prometheus port: the gateway ``metrics_port``, then verifiers, model
@@ -256,6 +258,8 @@ def start_mesh(spec: MeshSpec, progress: Callable[[str], None] = lambda msg: Non
         verifier_args = _with_threads(spec.extra_verifier_args, threads)
         for flag in ("--prefill-threads", "--plain-threads"):  # the cores verifiers share
             verifier_args = _with_threads(verifier_args, prefill, flag)
+        if spec.local_drafts and "--local-drafter" not in verifier_args:
+            verifier_args = (*verifier_args, "--local-drafter", spec.draft)
         tiers = [("verifier", "verifier", spec.verifiers, spec.target, verifier_args),
                  ("drafter", "drafter", spec.drafters, spec.draft,
                   _with_threads(spec.extra_drafter_args, threads)),

@@ -110,6 +110,7 @@ class VerifyCall:
     ahead: int = 0  # without drafts: the next round's tokens to decode once answered (0: none)
     ahead_seed: int = 0  # the next round's seed (verifier_svc/decode_ahead.py)
     beside: bool = False  # with drafts: a drafter drafts the next round meanwhile (a tree)
+    local: bool = False  # without drafts: may draft with the verifier's own draft model
 
 
 @dataclass(frozen=True)

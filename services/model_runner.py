@@ -87,6 +87,9 @@ class ModelRunner:
         self._max_batch = max_batch
         self._prefill_threads = prefill_threads
         self.plain = plain
+        # a verifier's own draft model, which drafts before a step for the jobs that may
+        # take drafts (verifier_svc/local_drafts.py ``LocalDrafter.prepare``); None: none
+        self.drafter: Any = None
         self._pending = 0
         self._waiting: list[tuple[StepJob, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
@@ -189,7 +192,7 @@ class ModelRunner:
             while True:
                 self.pass_started = time.monotonic()
                 errors, ms = run_step(self.model, jobs, self.device, self.new_kv,
-                                      self._prefill_threads, self.plain)
+                                      self._prefill_threads, self.plain, self.drafter)
                 out.append((errors, ms))
                 if (len(out) >= MAX_PASSES or self._waiting or any(e is not None for e in errors)
                         or any(j.done for j in jobs) or any(a.future.done() for a in active)):

@@ -21,6 +21,8 @@ from specmesh.options import (
     HealthPort,
     Host,
     KvBudget,
+    LocalDrafter,
+    LocalDraftTokens,
     LogFormat,
     LogLevel,
     MaxBatch,
@@ -55,10 +57,14 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                    max_queue, telemetry, drafter_kind: str, redis: str, advertise: str,
                    kv_budget_mb: int, max_batch: int, forward: str, prefix_cache_mb: int,
                    prefix_block: int, prefill_chunk: int, prefill_threads: int,
-                   stall_s: float, plain_threads: int = R["plain_threads"]) -> None:
+                   stall_s: float, plain_threads: int = R["plain_threads"],
+                   local_drafter: str = "", local_draft_tokens: int = R["local_draft_tokens"]
+                   ) -> None:
     from services.config import ModelServiceConfig
 
     model = model_reference(model, "--model")
+    if local_drafter:
+        local_drafter = model_reference(local_drafter, "--local-drafter")
     try:
         config = ModelServiceConfig(server=server, model=model,
                                     device=device, dtype=dtype, max_sessions=max_sessions,
@@ -69,7 +75,9 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                                     forward=forward, prefix_cache_mb=prefix_cache_mb,
                                     prefix_block=prefix_block, prefill_chunk=prefill_chunk,
                                     prefill_threads=prefill_threads,
-                                    plain_threads=plain_threads, stall_s=stall_s)
+                                    plain_threads=plain_threads, stall_s=stall_s,
+                                    local_drafter=local_drafter,
+                                    local_draft_tokens=local_draft_tokens)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     from services.models import device_problem
@@ -133,7 +141,9 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              prefill_chunk: PrefillChunk = R["prefill_chunk"],
              prefill_threads: PrefillThreads = R["prefill_threads"],
              plain_threads: PlainThreads = R["plain_threads"],
-             stall_s: StallS = R["stall_s"], parent_pid: ParentPid = 0) -> None:
+             stall_s: StallS = R["stall_s"], parent_pid: ParentPid = 0,
+             local_drafter: LocalDrafter = R["local_drafter"],
+             local_draft_tokens: LocalDraftTokens = R["local_draft_tokens"]) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", server_config(port, host, tls_cert, tls_key, tls_ca, health_port,
                                             parent_pid), model,
@@ -141,7 +151,8 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
                    threads, max_queue,
                    telemetry_config("verifier", metrics_port, log_format, log_level), "model", redis,
                    advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
-                   prefill_chunk, prefill_threads, stall_s, plain_threads)
+                   prefill_chunk, prefill_threads, stall_s, plain_threads, local_drafter,
+                   local_draft_tokens)
 
 
 @app.command()

@@ -132,6 +132,16 @@ PlainThreads = Annotated[int, typer.Option(
          "verifier measures its throughput both ways as it serves (now and then "
          "interleaving the two pass by pass), per kind of pass and batch size, and keeps "
          "the faster: the wider where it serves 10% more; 0 = --threads.")]
+LocalDrafter = Annotated[str, typer.Option(
+    "--local-drafter", envvar="SPECMESH_LOCAL_DRAFTER",
+    help="A draft model (saved HF directory or hub name, the target's vocabulary) the "
+         "verifier holds beside the target: its plain rounds (greedy, or unseeded, requests "
+         "that speculate) then decode --local-draft-tokens drafts at a time, verified in "
+         "its own passes, with no drafter call. The verifier measures whether that serves "
+         "more, per batch size, and drafts only where it does; '' = none.")]
+LocalDraftTokens = Annotated[int, typer.Option(
+    "--local-draft-tokens", envvar="SPECMESH_LOCAL_DRAFT_TOKENS", min=1,
+    help="Drafts of --local-drafter a pass verifies (at most --max-draft-tokens).")]
 Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                       help="auto: Llama-architecture models run a lean forward "
                                            "(less Python per call; on a CPU with weights "

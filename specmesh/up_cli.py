@@ -113,6 +113,11 @@ def up(
         min=0, max=65535, help="Gateway: port of the OpenAI-compatible HTTP API "
                                "(/v1/completions, /v1/chat/completions; docs/api.md); "
                                "0 = off.")] = 8000,
+    local_drafts: Annotated[bool, typer.Option(
+        "--local-drafts/--no-local-drafts",
+        help="Verifiers hold the draft model too (--local-drafter): rounds without drafter "
+             "calls draft in the verifier's own passes where that serves more, as it "
+             "measures (default on).")] = True,
 ) -> None:
     """Start the whole mesh locally: Redis, drafters, verifiers and the gateway. SIGINT
     (Ctrl-C) or SIGTERM stops every process it started, at any point."""
@@ -122,7 +127,7 @@ def up(
         try:
             code = _up(signals, port=port, drafters=drafters, ngram_drafters=ngram_drafters,
                        verifiers=verifiers, target=target, draft=draft, redis=redis,
-                       log_dir=log_dir, metrics_port=metrics_port,
+                       log_dir=log_dir, metrics_port=metrics_port, local_drafts=local_drafts,
                        gateway_args=_gateway_args(
                            num_draft_tokens=num_draft_tokens, max_adaptive_k=max_adaptive_k,
                            spec_fallback=spec_fallback, lead_round=lead_round,
@@ -171,7 +176,7 @@ def _signame(signum: int) -> str:
 
 
 def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, redis, log_dir,
-        metrics_port, gateway_args) -> int:
+        metrics_port, gateway_args, local_drafts=True) -> int:
     from rich.console import Console
 
     from services.local_mesh import MeshSpec, StartCancelled, start_mesh
@@ -192,7 +197,8 @@ def _up(signals, *, port, drafters, ngram_drafters, verifiers, target, draft, re
         _check_vocabularies(target, draft)
     spec = MeshSpec(target=target, draft=draft, port=port, drafters=drafters,
                     ngram_drafters=ngram_drafters, verifiers=verifiers, redis_url=redis,
-                    log_dir=log_dir, metrics_port=metrics_port, extra_gateway_args=gateway_args)
+                    log_dir=log_dir, metrics_port=metrics_port, extra_gateway_args=gateway_args,
+                    local_drafts=local_drafts)
     if max(spec.metrics_ports().values()) > 65535:
         raise typer.BadParameter(f"{metrics_port} + {len(spec.metrics_ports()) - 1} services is "
                                  "past port 65535", param_hint="'--metrics-port'")

@@ -43,6 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
     (["bench", "--verifier-replicas", "0", "--no-hf"], "--verifier-replicas"),
     (["bench", "--addr", "127.0.0.1:1", "--verifier-replicas", "2", "--no-hf"],
      "--verifier-replicas"),
+    (["verifier", "--model", str(ROOT / "models/demo-target"), "--local-drafter",
+      "./no/such/drafter"], "./no/such/drafter"),
+    (["verifier", "--model", str(ROOT / "models/demo-target"), "--local-draft-tokens", "17"],
+     "local draft tokens must be in 1..16"),
     (["gateway", "--redis", "redis://x", "--parent-pid", "-1"], "--parent-pid"),
     (["generate", "x", "--no-such-option"], "--no-such-option"),
 ])
@@ -73,6 +77,19 @@ def test_a_hub_name_that_cannot_be_loaded_is_one_line_before_anything_starts(tmp
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "no-such-org/no-such-model is not a local model directory" in lines[0], lines[0]
     assert "SERVING" not in result.stderr
+
+
+def test_a_local_drafter_of_another_vocabulary_is_refused_with_what_to_fix(tiny_pair):
+    """The tiny target (512 tokens) with the demo drafter (8,192) beside it: the verifier
+    stops at start with one error line that names both, exit code 2, no traceback."""
+    result = subprocess.run([*SPECMESH, "verifier", "--model", tiny_pair[0], "--port", "0",
+                             "--local-drafter", str(ROOT / "models/demo-drafter")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --local-drafter") and "another vocabulary" in last, last
+    assert "8192 tokens against 512" in last, last
 
 
 def _options():

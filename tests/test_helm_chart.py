@@ -162,7 +162,8 @@ def test_chart_metadata_and_every_value_commented():
         assert lines[i - 1].strip().startswith("#"), f"values.yaml:{i + 1} {line!r}"
 
 
-VERIFIER_ONLY = {"plainThreads"}  # settings only a verifier has (passes without drafts)
+# settings only a verifier has (passes without drafts, its own draft model)
+VERIFIER_ONLY = {"plainThreads", "localDrafter", "localDraftTokens"}
 
 
 def test_tiers_have_the_same_values_shape():

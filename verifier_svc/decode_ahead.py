@@ -46,10 +46,11 @@ class Ahead:
 
     def serves(self, call: VerifyCall) -> bool:
         """Whether ``call`` asks for this round: the same delta (session, base, hash and the
-        token to feed), settings, seed (sampling) and logprobs, and at most its tokens."""
+        token to feed), settings, seed and local drafts (sampling: they draw differently)
+        and logprobs, and at most its tokens."""
         a = self.call
         return (not call.draft_ids and call.cache == a.cache and call.params == a.params
-                and (call.params.greedy or call.seed == a.seed)
+                and (call.params.greedy or (call.seed == a.seed and call.local == a.local))
                 and call.logprobs == a.logprobs and 1 <= call.max_tokens <= a.max_tokens)
 
 

@@ -44,6 +44,7 @@ from services.sampling import (
     warp_logits,
 )
 from verifier_svc.decode_ahead import Ahead, DecodeAhead
+from verifier_svc.local_drafts import LocalDrafter
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,18 @@ log = logging.getLogger(__name__)
 _NO_DRAFT = SparseDraft(token_ids=torch.empty(0, dtype=torch.long),
                         q_ids=torch.empty(0, 1, dtype=torch.long), q_probs=torch.empty(0, 1))
 MAX_TOKENS = 64  # the most tokens a call without drafts may ask for (VerifyRequest.max_tokens)
+_DRAFT_STREAM = 0x5D_EECE_66D  # a sampled job's local drafts: its seed xor this
 
 
 class VerifierEngine(ModelEngine):
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, local: LocalDrafter | None = None, **kwargs) -> None:
+        """``local``: the verifier's own draft model, which its plain rounds may draft with
+        (verifier_svc/local_drafts.py)."""
         super().__init__(*args, **kwargs)
         self.ahead = DecodeAhead(self.stats)
+        self.local = local
+        self.runner.drafter = local
 
     def _sparse_draft(self, call: VerifyCall) -> SparseDraft:
         k = len(call.draft_ids)
@@ -108,13 +114,15 @@ class VerifierEngine(ModelEngine):
 
     async def release(self, session_id: str) -> bool:
         await self.ahead.drop(session_id)
+        if self.local is not None:
+            self.local.release(session_id)
         return self.caches.release(session_id)
 
     def _finish(self, call: VerifyCall, job: _VerifyJob, answer) -> VerifyResult:
         (accepted, extra), ms, batch = answer
         self.stats.fed_tokens += job.feeds + len(job.more)
-        self.stats.draft_tokens += len(call.draft_ids)
-        self.stats.accepted_tokens += accepted
+        self.stats.draft_tokens += len(call.draft_ids) + job.local_drafted
+        self.stats.accepted_tokens += accepted + job.local_accepted
         if call.ahead:  # (only a call without drafts may ask: _begin)
             self._decode_ahead(call, job)
         return VerifyResult(num_accepted=accepted, extra_token=extra,
@@ -174,22 +182,35 @@ class VerifierEngine(ModelEngine):
                                   f"{call.logprobs}")
         draft = self._sparse_draft(call)
         generator = None if call.params.greedy else torch.Generator().manual_seed(call.seed)
+        local = (self.local.k if self.local is not None and call.local and call.max_tokens > 1
+                 else 0)
+        meta = self.runner.meta
         return self.checked_out(delta, lambda entry, fed: _VerifyJob(
-            entry, fed, self.prefill_chunk, call, draft, generator, self.runner.meta.eos_token_ids))
+            entry, fed, self.prefill_chunk, call, draft, generator, meta.eos_token_ids,
+            local=local, max_context=meta.max_context))
 
 
 class _VerifyJob(FeedJob):
     """One pass (after the chunks of a long prompt): the pending tokens and the k drafts,
     then the acceptance rule on the last k+1 logits (params and draft were validated before,
-    off the model thread). Without drafts, up to ``max_tokens - 1`` more passes of one
-    token each, each decoding the next token from the last (``more``)."""
+    off the model thread). Without drafts, up to ``max_tokens - 1`` more passes, each
+    decoding the next token from the last (``more``): of one token each, or, with ``local``
+    > 0, of the last token and up to ``local`` drafts of the verifier's own draft model
+    where it gives them (``self.local``, set before the pass: verifier_svc/local_drafts.py),
+    verified by the same rule."""
 
     def __init__(self, entry: SessionCache, pending: list[int], chunk: int, call: VerifyCall,
                  draft: SparseDraft, generator: torch.Generator | None,
-                 eos: tuple[int, ...] = ()) -> None:
+                 eos: tuple[int, ...] = (), local: int = 0, max_context: int = 0) -> None:
         super().__init__(entry, pending, chunk)
         self.call, self.draft, self.generator = call, draft, generator
         self._eos = eos
+        self._local_k, self._max_context = local, max_context
+        self.local: SparseDraft | None = None  # the next pass's local drafts
+        self.local_drafted = self.local_accepted = 0
+        # sampled local drafts draw from their own stream (the acceptance rule's is the call's)
+        self.draft_generator = (torch.Generator().manual_seed(call.seed ^ _DRAFT_STREAM)
+                                if local and generator is not None else None)
         self._result: tuple[int, int] | None = None
         self.more: list[int] = []  # tokens decoded after the extra token
         self.logprobs: tuple[TokenLogprobs, ...] = ()
@@ -209,6 +230,32 @@ class _VerifyJob(FeedJob):
     def last(self) -> int:
         """The last token decoded (once the first pass is done)."""
         return self.more[-1] if self.more else self._result[1]
+
+    @property
+    def session_id(self) -> str:
+        return self.call.cache.session_id
+
+    @property
+    def produced(self) -> int:
+        """Tokens decoded so far (the call's accepted drafts among them)."""
+        return 0 if self._result is None else self._result[0] + 1 + len(self.more)
+
+    def wants_drafts(self) -> int:
+        """How many local drafts the next pass can verify: 0 once done, for a pass that
+        feeds a chunk of a long prompt, and where fewer than two tokens are still wanted;
+        else up to ``local``, within the tokens wanted and the context."""
+        if not self._local_k or self.done:
+            return 0
+        if self._result is None and (not self.pending or 0 < self.chunk < len(self.pending)):
+            return 0
+        wanted = self.limit - (0 if self._result is None else 1 + len(self.more))
+        room = self._max_context - len(self.draft_context())
+        return max(0, min(self._local_k, wanted - 1, room))
+
+    def draft_context(self) -> list[int]:
+        """The session's tokens once the next pass fed its own: what drafts continue."""
+        fed = self.pending if self._result is None else [self.last]
+        return [*self.entry.tokens, *fed]
 
     def stop(self) -> None:
         """Ends the job at its next pass (a decode-ahead no call takes: its tokens stay
@@ -233,14 +280,21 @@ class _VerifyJob(FeedJob):
             self.logprobs = self.logprobs[: self._result[0] + self.limit]
 
     def row(self) -> Row:
-        if self._result is not None:  # the next token, from the last one
-            return self.row_of([self.last], keep=1)
-        k = len(self.call.draft_ids)
-        return self.row_of(self.pending + list(self.call.draft_ids), keep=k + 1)
+        if self._result is not None:  # the next token, from the last one (and local drafts)
+            drafts = self.local.token_ids.tolist() if self.local is not None else []
+            return self.row_of([self.last, *drafts], keep=1 + len(drafts))
+        drafts = (list(self.call.draft_ids) if self.local is None
+                  else self.local.token_ids.tolist())
+        return self.row_of(self.pending + drafts, keep=len(drafts) + 1)
 
     def use(self, logits: torch.Tensor) -> None:  # logits [k+1, V]
         if self._result is not None:
             self._next(logits)
+            return
+        drafts, self.local = self.local, None
+        if drafts is not None:  # (a call without drafts: the local ones)
+            new = self._drafted(logits, self.pending, drafts)
+            self._result, self.more = (0, new[0]), new[1:]
             return
         entry, params = self.entry, self.call.params
         start = len(entry.tokens)
@@ -257,7 +311,11 @@ class _VerifyJob(FeedJob):
             self.logprobs = _logprobs(logits[: accepted + 1],
                                       [*self.call.draft_ids[:accepted], extra], self.call.logprobs)
 
-    def _next(self, logits: torch.Tensor) -> None:  # logits [1, V] of the token just fed
+    def _next(self, logits: torch.Tensor) -> None:  # logits [1 + k, V]: the token fed, drafts
+        drafts, self.local = self.local, None
+        if drafts is not None:
+            self.more.extend(self._drafted(logits, [self.last], drafts))
+            return
         self.entry.tokens.append(self.last)  # the token this pass fed
         if self.call.params.greedy:
             _, token = accept_greedy(_NO_DRAFT.token_ids, logits)
@@ -267,6 +325,33 @@ class _VerifyJob(FeedJob):
         self.more.append(token)
         if self.call.logprobs >= 0:
             self.logprobs += _logprobs(logits, [token], self.call.logprobs)
+
+    def _drafted(self, logits: torch.Tensor, fed: list[int], drafts: SparseDraft
+                 ) -> list[int]:
+        """The acceptance rule on a pass that fed ``fed`` (the call's tokens, or the last
+        token) and k local drafts: returns the tokens decoded, the accepted drafts and the
+        target's own token, up to an end-of-sequence token; the cache keeps what was fed
+        of them (all but the last)."""
+        entry, params = self.entry, self.call.params
+        start = len(entry.tokens) + len(fed) - 1  # the position of the last token fed
+        ids = drafts.token_ids.tolist()  # [k]
+        entry.tokens.extend(fed)
+        entry.tokens.extend(ids)
+        if params.greedy:
+            accepted, extra = accept_greedy(drafts.token_ids, logits)
+        else:
+            accepted, extra = accept_sampled(drafts, warp_logits(logits, params),
+                                             self.generator)
+        new = [*ids[:accepted], extra]
+        end = next((i for i, t in enumerate(new) if t in self._eos), None)
+        if end is not None:
+            new = new[: end + 1]
+        entry.crop(start + len(new))
+        self.local_drafted += len(ids)
+        self.local_accepted += accepted
+        if self.call.logprobs >= 0:
+            self.logprobs += _logprobs(logits[: len(new)], new, self.call.logprobs)
+        return new
 
     def result(self) -> tuple[int, int] | None:
         """(accepted, extra token); None for a decode-ahead stopped before its first pass."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x9d\x02\n\rVerifyRequest\x12&\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x17.specmesh.v1.CacheDelta\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12,\n\x0b\x64raft_dists\x18\x03 \x03(\x0b\x32\x17.specmesh.v1.SparseDist\x12%\n\x04warp\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.WarpParams\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\r\n\x05\x61head\x18\x08 \x01(\r\x12\x12\n\nahead_seed\x18\t \x01(\x04\x12\x17\n\x0f\x64rafting_beside\x18\n \x01(\x08\"a\n\x0fVerifiedLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x10\n\x08token_id\x18\x04 \x01(\x05\"\xd5\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x16\n\x0e\x65xtra_token_id\x18\x02 \x01(\x05\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.specmesh.v1.VerifiedLogprob\x12\x16\n\x0emore_token_ids\x18\x08 \x03(\x05\"K\n\x13VerifyStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12(\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"\x85\x01\n\x14VerifyStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.VerifyResponseH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.specmesh.v1.CallErrorH\x00\x42\t\n\x07outcome\"E\n\x12VerifyBatchRequest\x12/\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32 .specmesh.v1.VerifyStreamRequest\"J\n\x13VerifyBatchResponse\x12\x33\n\x08outcomes\x18\x01 \x03(\x0b\x32!.specmesh.v1.VerifyStreamResponse2\xc7\x03\n\x08Verifier\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12W\n\x0cVerifyStream\x12 .specmesh.v1.VerifyStreamRequest\x1a!.specmesh.v1.VerifyStreamResponse(\x01\x30\x01\x12P\n\x0bVerifyBatch\x12\x1f.specmesh.v1.VerifyBatchRequest\x1a .specmesh.v1.VerifyBatchResponse\x12\x44\n\x07Release\x12\x1b.specmesh.v1.ReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.specmesh.v1.ModelInfoRequest\x1a\x16.specmesh.v1.ModelInfo\x12@\n\x08GetStats\x12\x19.specmesh.v1.StatsRequest\x1a\x19.specmesh.v1.ReplicaStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xb3\x02\n\rVerifyRequest\x12&\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x17.specmesh.v1.CacheDelta\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12,\n\x0b\x64raft_dists\x18\x03 \x03(\x0b\x32\x17.specmesh.v1.SparseDist\x12%\n\x04warp\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.WarpParams\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\r\n\x05\x61head\x18\x08 \x01(\r\x12\x12\n\nahead_seed\x18\t \x01(\x04\x12\x17\n\x0f\x64rafting_beside\x18\n \x01(\x08\x12\x14\n\x0clocal_drafts\x18\x0b \x01(\x08\"a\n\x0fVerifiedLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x10\n\x08token_id\x18\x04 \x01(\x05\"\xd5\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x16\n\x0e\x65xtra_token_id\x18\x02 \x01(\x05\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.specmesh.v1.VerifiedLogprob\x12\x16\n\x0emore_token_ids\x18\x08 \x03(\x05\"K\n\x13VerifyStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12(\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"\x85\x01\n\x14VerifyStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.VerifyResponseH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.specmesh.v1.CallErrorH\x00\x42\t\n\x07outcome\"E\n\x12VerifyBatchRequest\x12/\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32 .specmesh.v1.VerifyStreamRequest\"J\n\x13VerifyBatchResponse\x12\x33\n\x08outcomes\x18\x01 \x03(\x0b\x32!.specmesh.v1.VerifyStreamResponse2\xc7\x03\n\x08Verifier\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12W\n\x0cVerifyStream\x12 .specmesh.v1.VerifyStreamRequest\x1a!.specmesh.v1.VerifyStreamResponse(\x01\x30\x01\x12P\n\x0bVerifyBatch\x12\x1f.specmesh.v1.VerifyBatchRequest\x1a .specmesh.v1.VerifyBatchResponse\x12\x44\n\x07Release\x12\x1b.specmesh.v1.ReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.specmesh.v1.ModelInfoRequest\x1a\x16.specmesh.v1.ModelInfo\x12@\n\x08GetStats\x12\x19.specmesh.v1.StatsRequest\x1a\x19.specmesh.v1.ReplicaStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.verifier_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST']._serialized_start=70
-  _globals['_VERIFYREQUEST']._serialized_end=355
-  _globals['_VERIFIEDLOGPROB']._serialized_start=357
-  _globals['_VERIFIEDLOGPROB']._serialized_end=454
-  _globals['_VERIFYRESPONSE']._serialized_start=457
-  _globals['_VERIFYRESPONSE']._serialized_end=670
-  _globals['_VERIFYSTREAMREQUEST']._serialized_start=672
-  _globals['_VERIFYSTREAMREQUEST']._serialized_end=747
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=750
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=883
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=885
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=954
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=956
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=1030
-  _globals['_VERIFIER']._serialized_start=1033
-  _globals['_VERIFIER']._serialized_end=1488
+  _globals['_VERIFYREQUEST']._serialized_end=377
+  _globals['_VERIFIEDLOGPROB']._serialized_start=379
+  _globals['_VERIFIEDLOGPROB']._serialized_end=476
+  _globals['_VERIFYRESPONSE']._serialized_start=479
+  _globals['_VERIFYRESPONSE']._serialized_end=692
+  _globals['_VERIFYSTREAMREQUEST']._serialized_start=694
+  _globals['_VERIFYSTREAMREQUEST']._serialized_end=769
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=772
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=905
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=907
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=976
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=978
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=1052
+  _globals['_VERIFIER']._serialized_start=1055
+  _globals['_VERIFIER']._serialized_end=1510
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("cache", "draft_token_ids", "draft_dists", "warp", "logprobs", "top_logprobs", "max_tokens", "ahead", "ahead_seed", "drafting_beside")
+    __slots__ = ("cache", "draft_token_ids", "draft_dists", "warp", "logprobs", "top_logprobs", "max_tokens", "ahead", "ahead_seed", "drafting_beside", "local_drafts")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class VerifyRequest(_message.Message):
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     AHEAD_SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_BESIDE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     cache: _common_pb2.CacheDelta
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDist]
@@ -29,7 +30,8 @@ class VerifyRequest(_message.Message):
     ahead: int
     ahead_seed: int
     drafting_beside: bool
-    def __init__(self, cache: _Optional[_Union[_common_pb2.CacheDelta, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ahead: _Optional[int] = ..., ahead_seed: _Optional[int] = ..., drafting_beside: _Optional[bool] = ...) -> None: ...
+    local_drafts: bool
+    def __init__(self, cache: _Optional[_Union[_common_pb2.CacheDelta, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.SparseDist, _Mapping]]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ahead: _Optional[int] = ..., ahead_seed: _Optional[int] = ..., drafting_beside: _Optional[bool] = ..., local_drafts: _Optional[bool] = ...) -> None: ...
 
 class VerifiedLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs", "token_id")

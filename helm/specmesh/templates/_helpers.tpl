@@ -209,6 +209,10 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
 {{- if eq .tier "verifier" }}
 - name: SPECMESH_PLAIN_THREADS
   value: {{ $c.plainThreads | quote }}
+- name: SPECMESH_LOCAL_DRAFTER
+  value: {{ $c.localDrafter | quote }}
+- name: SPECMESH_LOCAL_DRAFT_TOKENS
+  value: {{ $c.localDraftTokens | quote }}
 {{- end }}
 {{- /* the address gateways dial (an EndpointSlice's pod IP), under which the pod registers
        and publishes its prefix index in Redis */}}

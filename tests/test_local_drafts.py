@@ -1,0 +1,309 @@
+"""Drafts beside the target (verifier_svc/local_drafts.py): a verifier's plain rounds draft
+with its own draft model and verify the drafts in its passes. The tokens stay the target's
+(greedy: HF ``generate``'s; sampled: the target's distribution), the caches stay exact
+(rejected drafts leave no trace, an end-of-sequence token inside the accepted drafts ends
+the call there), and each level of batch size decides for itself.
+
+In process with the real tiny pair loaded as the services load it (the lean forward); the
+mesh's processes in test_mesh.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from services.config import ModelServiceConfig, ServerConfig
+from services.hashing import token_hash
+from services.kv_cache import SessionCaches
+from services.messages import CacheDelta, VerifyCall
+from services.model_runner import ModelRunner
+from services.models import load_for_serving
+from services.paired_switch import PairedSwitch
+from services.params import SamplingParams
+from services.sampling import warp_logits
+from tests.conftest import hf_greedy
+from verifier_svc.engine import VerifierEngine
+from verifier_svc.local_drafts import LocalDrafter, build_local_drafter, common_prefix
+
+GREEDY = SamplingParams()
+
+
+def _engine(target: str, drafter: str, k: int = 3, sessions: int = 256) -> VerifierEngine:
+    model, meta, device = load_for_serving(target, "cpu", "float32", 1)
+    config = ModelServiceConfig(server=ServerConfig(port=1), model=target, threads=1,
+                                local_drafter=drafter, local_draft_tokens=k,
+                                max_sessions=sessions)
+    runner = ModelRunner(model, meta, device, max_queue=64, max_batch=16)
+    return VerifierEngine(runner, SessionCaches(64, runner.new_kv), max_draft_tokens=16,
+                          local=build_local_drafter(config, meta))
+
+
+def _always(local: LocalDrafter, on: bool = True) -> None:
+    """Every level keeps ``on`` and never explores: the steps' mode is fixed (the switch's
+    own choice is timing's, tested in test_paired_switch.py)."""
+    for level in range(1, 10):
+        local.switches[level] = PairedSwitch(_kept=on, _exploring=False)
+        local.switches[level]._every = 10**9
+
+
+def _call(session: str, tokens, base: int = 0, max_tokens: int = 8, params=GREEDY,
+          seed: int = 1, local: bool = True, drafts=(), logprobs: int = -1) -> VerifyCall:
+    return VerifyCall(cache=CacheDelta(session_id=session, base_len=base,
+                                       base_hash=token_hash(list(tokens[:base])),
+                                       new_tokens=tuple(tokens[base:])),
+                      draft_ids=tuple(drafts), q_ids=(), q_probs=(), params=params, seed=seed,
+                      logprobs=logprobs, max_tokens=max_tokens, local=local)
+
+
+async def _decode(engine: VerifierEngine, session: str, prompt, n: int, per_call: int = 8,
+                  local: bool = True) -> list[int]:
+    """n tokens of ``session`` in plain rounds of ``per_call``, each call sending only what
+    the verifier's cache lacks (its cursor, as the gateway keeps it)."""
+    tokens, base = list(prompt), 0
+    while len(tokens) - len(prompt) < n:
+        r = await engine.verify(_call(session, tokens, base, per_call, local=local))
+        assert r.num_accepted == 0, "a call without drafts accepts none of its own"
+        tokens += [r.extra_token, *r.more]
+        assert r.cached_len == len(tokens) - 1, "the cache holds every token but the last"
+        base = r.cached_len
+    return tokens[len(prompt):][:n]
+
+
+def _prompts(vocab: int, sizes=(7, 12, 5, 9)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in sizes]
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["drafter-is-target", "tiny-drafter"])
+def test_plain_rounds_with_local_drafts_give_hf_greedys_tokens(tiny_pair, target_model, own):
+    """Four sessions at once, plain rounds of 8 tokens, every step drafting 3: each
+    session's tokens are HF greedy's. With the target as its own drafter every draft is
+    accepted (a pass gives 4 tokens: the last step of a round fewer); with the tiny drafter
+    some are rejected, and the caches the rejected drafts were fed to go on exact."""
+    model, _ = target_model
+    engine = _engine(tiny_pair[0], tiny_pair[0] if own else tiny_pair[1])
+    _always(engine.local)
+    prompts = _prompts(model.config.vocab_size)
+    eos = engine.runner.meta.eos_token_ids
+    want = [hf_greedy(model, p, 24) for p in prompts]
+    for w in want:
+        assert not set(w) & set(eos), "the reference must not end early"
+
+    async def run():
+        return await asyncio.gather(*(_decode(engine, f"s{i}", p, 24)
+                                      for i, p in enumerate(prompts)))
+
+    got = asyncio.run(run())
+    assert got == want
+    stats, local = engine.stats, engine.local
+    assert local.drafted > 0 and stats.draft_tokens == local.drafted
+    if own:
+        assert stats.accepted_tokens == stats.draft_tokens
+        # 3 rounds of 8 a session: passes of 4, 4 (the round's last), ... far fewer than 24
+        assert stats.forward_passes <= 4 * 3 * 2
+    else:
+        assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_the_same_calls_without_local_drafts_take_one_pass_a_token(tiny_pair, target_model):
+    """The control: calls that do not allow local drafts (target-only, seeded sampling)
+    decode one token a pass, whatever the switch keeps."""
+    model, _ = target_model
+    engine = _engine(tiny_pair[0], tiny_pair[0])
+    _always(engine.local)
+    prompt = _prompts(model.config.vocab_size)[0]
+    got = asyncio.run(_decode(engine, "plain", prompt, 16, local=False))
+    assert got == hf_greedy(model, prompt, 16)
+    assert engine.local.drafted == 0 and engine.stats.forward_passes == 16
+
+
+def test_a_switch_that_keeps_not_drafting_drafts_nothing(tiny_pair, target_model):
+    model, _ = target_model
+    engine = _engine(tiny_pair[0], tiny_pair[1])
+    _always(engine.local, on=False)
+    prompt = _prompts(model.config.vocab_size)[1]
+    assert asyncio.run(_decode(engine, "off", prompt, 16)) == hf_greedy(model, prompt, 16)
+    assert engine.local.drafted == 0 and engine.local.steps[False] > 0
+
+
+def test_an_end_of_sequence_token_among_accepted_drafts_ends_the_call_there(
+        tiny_pair, target_model):
+    """The target drafting for itself accepts every draft; with a greedy token that first
+    comes 3rd or later made the end-of-sequence token, an 8-token call returns the tokens up
+    to it only, its cache holds all but the last, and the next call goes on from there."""
+    model, _ = target_model
+    engine = _engine(tiny_pair[0], tiny_pair[0])
+    _always(engine.local)
+    prompt, want = next((p, w) for p in _prompts(model.config.vocab_size, (4, 6, 8, 10, 12))
+                        if len(set((w := hf_greedy(model, p, 12))[:4])) >= 3)
+    end = next(i for i in range(2, 4) if want[i] not in want[:i])
+    engine.runner.meta = dataclasses.replace(engine.runner.meta, eos_token_ids=(want[end],))
+
+    async def run():
+        r = await engine.verify(_call("eos", prompt, max_tokens=8, logprobs=1))
+        got = [r.extra_token, *r.more]
+        assert got == want[:end + 1]
+        assert r.cached_len == len(prompt) + end
+        assert [lp.token_id for lp in r.logprobs] == got
+        tokens = [*prompt, *got]
+        again = await engine.verify(_call("eos", tokens, base=r.cached_len, max_tokens=2))
+        return [again.extra_token, *again.more]
+
+    assert asyncio.run(run()) == want[end + 1:end + 3]
+    assert engine.stats.accepted_tokens >= end, "the tokens came from accepted drafts"
+
+
+def test_logprobs_of_locally_drafted_tokens_are_those_of_one_token_passes(
+        tiny_pair, target_model):
+    """Each returned token's log-probability and top alternatives come from the pass that
+    verified it: the same as a pass per token gives (float tolerance)."""
+    model, _ = target_model
+    prompt = _prompts(model.config.vocab_size)[3]
+    drafting = _engine(tiny_pair[0], tiny_pair[1])
+    _always(drafting.local)
+    plain = _engine(tiny_pair[0], tiny_pair[1])
+    _always(plain.local, on=False)
+    a = asyncio.run(drafting.verify(_call("lp", prompt, max_tokens=8, logprobs=2)))
+    b = asyncio.run(plain.verify(_call("lp", prompt, max_tokens=8, logprobs=2)))
+    assert drafting.local.drafted > 0 and plain.local.drafted == 0
+    assert [a.extra_token, *a.more] == [b.extra_token, *b.more]
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert x.token_id == y.token_id and x.top_ids == y.top_ids
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+def test_sampled_local_drafts_keep_the_targets_distribution(tiny_pair, target_model,
+                                                           draft_model):
+    """Sampled plain rounds of 2 tokens from one prompt, 1,200 seeds: the first token's
+    frequencies match the target's warped distribution (its draw went through the local
+    draft and the acceptance rule), and the draft model's own distribution is far from it,
+    so a rule that kept the drafts would fail."""
+    model, _ = target_model
+    engine = _engine(tiny_pair[0], tiny_pair[1], k=1)
+    _always(engine.local)
+    params = SamplingParams(temperature=1.0, top_k=6)
+    prompt = _prompts(model.config.vocab_size)[0]
+    with torch.inference_mode():
+        p = warp_logits(model(torch.tensor([prompt])).logits[0, -1:].float(), params)[0]
+        q = warp_logits(draft_model(torch.tensor([prompt])).logits[0, -1:].float(), params)[0]
+    n = 1200
+
+    async def run():
+        out = []
+        for start in range(0, n, 48):
+            calls = [_call(f"x{i}", prompt, max_tokens=2, params=params, seed=1000 + i)
+                     for i in range(start, min(n, start + 48))]
+            out += [r.extra_token for r in await engine.verify_many(calls)]
+            for i in range(start, min(n, start + 48)):
+                await engine.release(f"x{i}")
+        return out
+
+    firsts = asyncio.run(run())
+    freq = torch.bincount(torch.tensor(firsts), minlength=p.numel()).float() / n
+    tv = 0.5 * (freq - p).abs().sum().item()
+    assert engine.local.drafted >= n, "every call's first pass carried a local draft"
+    assert 0 < engine.stats.accepted_tokens < engine.stats.draft_tokens
+    assert tv < 0.07, f"first tokens' distance from the target's distribution {tv:.3f}"
+    assert 0.5 * (q - p).abs().sum().item() > 0.15, "the draft must differ to mean anything"
+
+
+def test_draft_caches_are_bounded_and_released_and_refed_when_needed(tiny_pair, target_model):
+    """At most --max-sessions draft caches (the least recently drafted dropped first); a
+    released session's goes at the next step; a session whose draft cache went is fed again
+    from its start, and its tokens stay HF greedy's."""
+    model, _ = target_model
+    engine = _engine(tiny_pair[0], tiny_pair[1], sessions=2)
+    _always(engine.local)
+    prompts = _prompts(model.config.vocab_size)
+    want = [hf_greedy(model, p, 16) for p in prompts[:3]]
+
+    async def run():
+        got = [await _decode(engine, f"s{i}", p, 8) for i, p in enumerate(prompts[:3])]
+        assert list(engine.local.caches) == ["s1", "s2"], "s0 was dropped: least recent"
+        await engine.release("s2")
+        more = list(prompts[0]) + got[0]  # s0 goes on: its verifier cache holds all but one
+        r = await engine.verify(_call("s0", more, base=len(more) - 1, max_tokens=8))
+        assert "s2" not in engine.local.caches and "s0" in engine.local.caches
+        return got, [r.extra_token, *r.more]
+
+    got, s0_more = asyncio.run(run())
+    assert got == [w[:8] for w in want]
+    assert s0_more == want[0][8:16]
+
+
+def test_a_new_level_starts_from_what_the_others_keep():
+    """Drafting lost at a smaller batch: a larger one starts without drafting and does not
+    explore at once; drafting won at a larger batch: a smaller one starts drafting; with no
+    evidence either way (or both ways) a level explores first."""
+    local = LocalDrafter(model=None, device=torch.device("cpu"), new_cache=lambda: None,
+                         k=3, max_sessions=8)
+    first = local.switch(1)  # nothing known: it explores, its first step drafting
+    assert first._exploring and first.mode(0.0)
+    lost = local.switches[1] = PairedSwitch(_kept=False, _exploring=False)
+    lost.rate = {True: 400.0, False: 500.0}
+    up = local.switch(4)
+    assert not up.incumbent and not up._exploring and not up.mode(0.0)
+    won = local.switches[6] = PairedSwitch(_kept=True, _exploring=False)
+    won.rate = {True: 900.0, False: 500.0}
+    between = local.switch(3)  # lost below it, won above it: no evidence, it explores
+    assert between._exploring
+    local.switches[1].rate, local.switches[1]._kept = {True: 600.0, False: 500.0}, True
+    down = local.switch(2)
+    assert down.incumbent and not down._exploring and down.mode(0.0)
+
+
+@pytest.mark.parametrize("a, b, n", [([], [1, 2], 0), ([1, 2, 3], [1, 2, 3, 4], 3),
+                                     ([1, 2, 9, 4], [1, 2, 3, 4], 2), ([5], [1], 0),
+                                     ([1, 2, 3], [1, 2, 3], 3)])
+def test_common_prefix(a, b, n):
+    assert common_prefix(a, b) == n == common_prefix(b, a)
+
+
+def test_the_gateway_allows_local_drafts_only_where_the_draws_may_differ(redis_url, tiny_pair):
+    """Through the gateway's scheduler (tests/engine_harness.py), one request at a time: a
+    greedy request that speculates, and a sampled one without a seed, let their plain rounds
+    draft locally; target-only requests (speculation disabled) and seeded samples (whose
+    rounds are of one token) do not, so their tokens are drawn as without a local drafter."""
+    from services.model_info import load_tokenizer
+    from tests.engine_harness import EngineHarness, spec
+    from tests.round_harness import tables
+
+    target, draft = tables(vocab=512, seed=5, noise=1.0)
+    sampled = SamplingParams(temperature=1.0)
+    requests = {"greedy": (spec([5, 6, 7, 8], 40), {True}),
+                "unseeded": (spec([5, 6, 7, 9], 40, params=sampled), {True}),
+                "target-only": (spec([5, 6, 7, 10], 40, speculate=False), {False}),
+                "seeded target-only": (spec([5, 6, 7, 11], 40, params=sampled, seed=7,
+                                            speculate=False), {False}),
+                "seeded, no drafter tier": (spec([5, 6, 7, 12], 40, params=sampled, seed=7),
+                                            {False})}
+    seen: list[tuple[bool, bool]] = []  # per call without drafts: local, asks several
+
+    async def main():
+        h = EngineHarness(target, draft, redis_url, load_tokenizer(tiny_pair[0]))
+        verify_many = h.verifier.verify_many
+
+        async def recording(calls):  # (a spy: the calls go on as they came)
+            seen.extend((c.local, c.max_tokens > 1) for c in calls if not c.draft_ids)
+            return await verify_many(calls)
+
+        h.verifier.verify_many = recording
+        flags = {}
+        try:
+            for name, (request, _) in requests.items():
+                if name == "seeded, no drafter tier":
+                    h.pools["drafter"].replicas.clear()  # its rounds are all plain ones
+                seen.clear()
+                await h.complete(request)
+                # (a 1-token call, a lead round's say, cannot draft: what it says is moot)
+                several = {local for local, many in seen if many}
+                flags[name] = several or {local for local, _ in seen}
+        finally:
+            await h.close()
+        return flags
+
+    flags = asyncio.run(main())
+    assert flags == {name: want for name, (_, want) in requests.items()}
