@@ -41,6 +41,8 @@ class PairedSwitch:
     first_explore: int = 2  # epochs of the kept mode before the next exploration
     max_explore: int = 16  # ... doubling while the kept mode keeps winning, up to this
     on_margin: float = 1.0  # the mode that is on must serve this factor more to be taken
+    cut_below: float = 0.0  # an exploration whose mode that is on serves less than this share
+    #                         of the other's after a quarter of an epoch ends there (0: never)
     rate: dict[bool, float] = field(default_factory=dict)  # per mode: the last exploration's
     _kept: bool = False  # the mode run between explorations
     _exploring: bool = True  # this epoch interleaves the modes
@@ -76,7 +78,7 @@ class PairedSwitch:
         an epoch (the load moved elsewhere) starts again."""
         if self._start is None or now - self._last > self.epoch_s:
             self._begin(now)
-        elif now - self._start >= self.epoch_s and self._enough():
+        elif (now - self._start >= self.epoch_s and self._enough()) or self._losing(now):
             self._end_epoch()
             self._begin(now)
         self._last = now
@@ -97,6 +99,20 @@ class PairedSwitch:
         self._tokens[mode] += tokens
         self._busy_s[mode] += cycle_s
         self._count[mode] += 1
+
+    def _losing(self, now: float) -> bool:
+        """Whether an exploration has run a quarter of an epoch and the units of each mode an
+        epoch needs with the mode that is on serving less than ``cut_below`` of the other's:
+        it lost by a wide margin, and the rest of the epoch would only cost more (a
+        verifier's local drafts at 16 streams served about half as much:
+        verifier_svc/local_drafts.py)."""
+        if not self._exploring or not self.cut_below or now - self._start < self.epoch_s / 4:
+            return False
+        if not self._enough():
+            return False
+        on, off = (self._tokens[m] / self._busy_s[m] if self._busy_s[m] else 0.0
+                   for m in (True, False))
+        return on < self.cut_below * off
 
     def _enough(self) -> bool:
         if self._exploring:

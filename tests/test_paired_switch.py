@@ -138,3 +138,24 @@ def test_only_the_last_unit_given_is_observed():
     assert switch.rate == {True: pytest.approx(1600.0), False: pytest.approx(1600.0)}
     assert switch.incumbent is False  # a tie: the mode that is off (cheaper)
     assert switch.kept_changed() and not switch.kept_changed()  # said once
+
+
+@pytest.mark.parametrize("gain, cut", [(0.5, True), (0.9, False), (1.3, False)])
+def test_an_exploration_the_mode_on_loses_widely_ends_after_a_quarter_epoch(gain, cut):
+    """With ``cut_below`` 0.7, an exploration in which the mode that is on serves half as
+    much ends once a quarter of its epoch ran (and the units of each an epoch needs), not
+    after the epoch: it keeps the mode that is off. One it loses by less, or wins, runs its
+    whole epoch."""
+    switch = PairedSwitch(epoch_s=1.0, min_rounds=16, cut_below=0.7)
+    modes = _serve(switch, gain, lambda t: 1.0, seconds=0.6)
+    if cut:
+        assert switch.rate and not switch.incumbent
+        assert switch.rate[True] < 0.7 * switch.rate[False]
+        # a quarter epoch (250 ms) of units of 20 ms (on) and 10 ms (off), half each: about
+        # 8 on; a whole epoch would have run about 33
+        assert 6 <= sum(modes) <= 12, sum(modes)
+    else:
+        assert not switch.rate, "the exploration still runs"
+    plain = PairedSwitch(epoch_s=1.0, min_rounds=16)  # cut_below 0: never cut
+    _serve(plain, 0.5, lambda t: 1.0, seconds=0.6)
+    assert not plain.rate

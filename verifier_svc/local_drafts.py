@@ -23,7 +23,10 @@ k + 1 tokens a session cost nearly k + 1 times one. One switch per level of batc
 sessions a step carries: 1, 2-3, 4-7, ...) interleaves steps with and without drafts now
 and then (services/paired_switch.py) and keeps whichever serves more tokens per second of
 the steps' cycles (all of the step's sessions' tokens: a longer pass delays them all),
-drafting only when it serves ``MIN_GAIN`` times more: it costs the drafter's passes.
+drafting only when it serves ``MIN_GAIN`` times more: it costs the drafter's passes. An
+exploration in which the drafting steps serve less than ``CUT_BELOW`` of the others ends
+after a quarter of its steps: under load, where drafts lose by about half, an exploration's
+drafting steps are the cost.
 
 The draft model's caches are this module's, one per session, kept in step with the
 target's by the tokens alone: before drafting, a session's cache is cropped to the longest
@@ -50,6 +53,7 @@ from services.sampling import SparseDraft, sparse_draft_sample_rows, warp_logits
 log = logging.getLogger(__name__)
 
 MIN_GAIN = 1.05  # drafting costs the drafter's passes: taken when it serves this much more
+CUT_BELOW = 0.7  # an exploration whose drafting steps serve less than this share ends early
 MAX_SUPPORT = 32  # a sampled draft's q: its most likely tokens (the gateway's default too)
 
 
@@ -116,13 +120,14 @@ class LocalDrafter:
         found = self.switches.get(level)
         if found is None:
             found = PairedSwitch(epoch_s=self._epoch_s, min_rounds=self._min_steps,
-                                 on_margin=MIN_GAIN)
+                                 on_margin=MIN_GAIN, cut_below=CUT_BELOW)
             kept = {at: s.incumbent for at, s in self.switches.items() if s.rate}
             lost = any(not on for at, on in kept.items() if at < level)
             won = any(on for at, on in kept.items() if at > level)
             if lost != won:
                 found = PairedSwitch(epoch_s=self._epoch_s, min_rounds=self._min_steps,
-                                     on_margin=MIN_GAIN, _kept=won, _exploring=False)
+                                     on_margin=MIN_GAIN, cut_below=CUT_BELOW, _kept=won,
+                                     _exploring=False)
                 found._every = found.max_explore
             self.switches[level] = found
         return found
