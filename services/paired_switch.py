@@ -78,8 +78,13 @@ class PairedSwitch:
         an epoch (the load moved elsewhere) starts again."""
         if self._start is None or now - self._last > self.epoch_s:
             self._begin(now)
-        elif (now - self._start >= self.epoch_s and self._enough()) or self._losing(now):
+        elif now - self._start >= self.epoch_s and self._enough():
             self._end_epoch()
+            self._begin(now)
+        elif self._losing(now):
+            self._end_epoch()
+            # it lost by a wide margin: the next exploration comes as late as any
+            self._every = self.max_explore
             self._begin(now)
         self._last = now
         # (the Thue-Morse order: each mode half of every aligned run of 2^k units)
@@ -105,7 +110,8 @@ class PairedSwitch:
         epoch needs with the mode that is on serving less than ``cut_below`` of the other's:
         it lost by a wide margin, and the rest of the epoch would only cost more (a
         verifier's local drafts at 16 streams served about half as much:
-        verifier_svc/local_drafts.py)."""
+        verifier_svc/local_drafts.py). The next exploration then comes after
+        ``max_explore`` epochs."""
         if not self._exploring or not self.cut_below or now - self._start < self.epoch_s / 4:
             return False
         if not self._enough():

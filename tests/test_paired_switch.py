@@ -151,6 +151,7 @@ def test_an_exploration_the_mode_on_loses_widely_ends_after_a_quarter_epoch(gain
     if cut:
         assert switch.rate and not switch.incumbent
         assert switch.rate[True] < 0.7 * switch.rate[False]
+        assert switch._every == switch.max_explore, "tried again as late as any"
         # a quarter epoch (250 ms) of units of 20 ms (on) and 10 ms (off), half each: about
         # 8 on; a whole epoch would have run about 33
         assert 6 <= sum(modes) <= 12, sum(modes)

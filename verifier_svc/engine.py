@@ -249,7 +249,8 @@ class _VerifyJob(FeedJob):
         if self._result is None and (not self.pending or 0 < self.chunk < len(self.pending)):
             return 0
         wanted = self.limit - (0 if self._result is None else 1 + len(self.more))
-        room = self._max_context - len(self.draft_context())
+        fed = len(self.pending) if self._result is None else 1
+        room = self._max_context - len(self.entry.tokens) - fed
         return max(0, min(self._local_k, wanted - 1, room))
 
     def draft_context(self) -> list[int]:
