@@ -123,6 +123,10 @@ class VerifyResult:
     batch_size: int = 1  # the largest batch of calls its forward pass ran in
     logprobs: tuple[TokenLogprobs, ...] = ()  # with VerifyCall.logprobs: one per token returned
     more: tuple[int, ...] = ()  # tokens decoded after extra_token (VerifyCall.max_tokens > 1)
+    # the verifier's own drafts among them (VerifyCall.local): proposed, accepted (its
+    # metrics only: not sent to the gateway)
+    local_drafted: int = 0
+    local_accepted: int = 0
 
 
 @dataclass

@@ -164,6 +164,12 @@ class ModelServiceMetrics:
         self.accepted_tokens = meter.create_counter(
             f"specmesh.{kind}.accepted_tokens", unit="{token}",
             description="Draft tokens accepted (verifier)")
+        self.local_draft_tokens = meter.create_counter(
+            f"specmesh.{kind}.local_draft_tokens", unit="{token}",
+            description="Tokens the verifier's own draft model drafted (--local-drafter)")
+        self.local_accepted_tokens = meter.create_counter(
+            f"specmesh.{kind}.local_accepted_tokens", unit="{token}",
+            description="Of those, tokens accepted")
         self.fed_tokens = meter.create_counter(
             f"specmesh.{kind}.fed_tokens", unit="{token}",
             description="Committed tokens appended to KV caches")

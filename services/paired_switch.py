@@ -60,6 +60,15 @@ class PairedSwitch:
     def __post_init__(self) -> None:
         self._every = self.first_explore
 
+    @classmethod
+    def keeping(cls, mode: bool, **settings) -> PairedSwitch:
+        """A switch that starts keeping ``mode`` without exploring, its first exploration
+        after ``max_explore`` epochs (a mode known from elsewhere: services/local_drafts.py
+        seeds a level from the levels around it)."""
+        switch = cls(_kept=mode, _exploring=False, **settings)
+        switch._every = switch.max_explore
+        return switch
+
     @property
     def incumbent(self) -> bool:
         """The mode kept between explorations."""

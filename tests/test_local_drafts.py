@@ -45,8 +45,7 @@ def _always(local: LocalDrafter, on: bool = True) -> None:
     """Every level keeps ``on`` and never explores: the steps' mode is fixed (the switch's
     own choice is timing's, tested in test_paired_switch.py)."""
     for level in range(1, 10):
-        local.switches[level] = PairedSwitch(_kept=on, _exploring=False)
-        local.switches[level]._every = 10**9
+        local.switches[level] = PairedSwitch.keeping(on, max_explore=10**9)
 
 
 def _call(session: str, tokens, base: int = 0, max_tokens: int = 8, params=GREEDY,
@@ -169,6 +168,10 @@ def test_logprobs_of_locally_drafted_tokens_are_those_of_one_token_passes(
     a = asyncio.run(drafting.verify(_call("lp", prompt, max_tokens=8, logprobs=2)))
     b = asyncio.run(plain.verify(_call("lp", prompt, max_tokens=8, logprobs=2)))
     assert drafting.local.drafted > 0 and plain.local.drafted == 0
+    # what the call reports for the verifier's metrics: its own drafts, and the accepted
+    assert (a.local_drafted, a.local_accepted) == (drafting.local.drafted,
+                                                   drafting.stats.accepted_tokens)
+    assert (b.local_drafted, b.local_accepted) == (0, 0)
     assert [a.extra_token, *a.more] == [b.extra_token, *b.more]
     for x, y in zip(a.logprobs, b.logprobs, strict=True):
         assert x.token_id == y.token_id and x.top_ids == y.top_ids

@@ -128,7 +128,8 @@ class VerifierEngine(ModelEngine):
         return VerifyResult(num_accepted=accepted, extra_token=extra,
                             cached_len=len(job.entry.tokens), cache_hit=call.cache.base_len > 0,
                             compute_ms=ms, batch_size=batch, logprobs=job.logprobs,
-                            more=tuple(job.more))
+                            more=tuple(job.more), local_drafted=job.local_drafted,
+                            local_accepted=job.local_accepted)
 
     def _decode_ahead(self, call: VerifyCall, job: _VerifyJob) -> None:
         """Starts the session's next plain round, the call ``call.ahead`` names (from the

@@ -121,17 +121,13 @@ class LocalDrafter:
         second was one); else its first epoch explores."""
         found = self.switches.get(level)
         if found is None:
-            found = PairedSwitch(epoch_s=self._epoch_s, min_rounds=self._min_steps,
-                                 on_margin=MIN_GAIN, cut_below=CUT_BELOW)
+            settings = dict(epoch_s=self._epoch_s, min_rounds=self._min_steps,
+                            on_margin=MIN_GAIN, cut_below=CUT_BELOW)
             kept = {at: s.incumbent for at, s in self.switches.items() if s.rate}
             lost = any(not on for at, on in kept.items() if at < level)
             won = any(on for at, on in kept.items() if at > level)
-            if lost != won:
-                found = PairedSwitch(epoch_s=self._epoch_s, min_rounds=self._min_steps,
-                                     on_margin=MIN_GAIN, cut_below=CUT_BELOW, _kept=won,
-                                     _exploring=False)
-                found._every = found.max_explore
-            self.switches[level] = found
+            found = self.switches[level] = (PairedSwitch.keeping(won, **settings)
+                                            if lost != won else PairedSwitch(**settings))
         return found
 
     def release(self, session_id: str) -> None:

@@ -32,6 +32,8 @@ class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
         self.metrics.draft_tokens.add(len(call.draft_ids))
         self.metrics.accepted_tokens.add(result.num_accepted)
         self.metrics.fed_tokens.add(len(result.more))  # (the call's plain tokens it fed)
+        self.metrics.local_draft_tokens.add(result.local_drafted)
+        self.metrics.local_accepted_tokens.add(result.local_accepted)
         return verify_result_to_pb(result)
 
     async def VerifyStream(self, requests, context):
@@ -49,15 +51,19 @@ class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
         calls = [verify_call_from_pb(r.call) for r in request.calls]
         outcomes = await self.observed_many([c.cache for c in calls],
                                             lambda: self.engine.verify_many(calls))
-        drafted = accepted = fed = 0
+        drafted = accepted = fed = local = local_accepted = 0
         for call, outcome in zip(calls, outcomes, strict=True):
             if not isinstance(outcome, BaseException):
                 drafted += len(call.draft_ids)
                 accepted += outcome.num_accepted
                 fed += len(outcome.more)
+                local += outcome.local_drafted
+                local_accepted += outcome.local_accepted
         self.metrics.draft_tokens.add(drafted)
         self.metrics.accepted_tokens.add(accepted)
         self.metrics.fed_tokens.add(fed)  # (the calls' plain tokens they fed themselves)
+        self.metrics.local_draft_tokens.add(local)
+        self.metrics.local_accepted_tokens.add(local_accepted)
         return verifier_pb2.VerifyBatchResponse(outcomes=batch_replies(
             request.calls, outcomes, verify_result_to_pb, _reply, "VerifyBatch"))
 
