@@ -258,6 +258,34 @@ def test_a_new_level_starts_from_what_the_others_keep():
     assert down.incumbent and not down._exploring and down.mode(0.0)
 
 
+@pytest.mark.parametrize("fed_first", [False, True], ids=["short-prompt", "context-fed-first"])
+def test_steps_that_feed_a_context_to_either_model_are_not_counted(tiny_pair, target_model,
+                                                                   fed_first):
+    """The level's switch explores (its first step drafts). A session whose prompt is short
+    has every step counted; one whose first drafting step feeds the draft model 24 tokens of
+    context (an earlier call decoded without local drafts) has that step left out."""
+    model, _ = target_model
+    engine = _engine(tiny_pair[0], tiny_pair[1])
+    prompt = _prompts(model.config.vocab_size, (20 if fed_first else 5,))[0]
+
+    async def run():
+        tokens, base = list(prompt), 0
+        if fed_first:
+            r = await engine.verify(_call("c", tokens, max_tokens=4, local=False))
+            tokens += [r.extra_token, *r.more]
+            base = r.cached_len
+        assert engine.local.steps == {True: 0, False: 0}
+        await engine.verify(_call("c", tokens, base=base, max_tokens=8))
+
+    asyncio.run(run())
+    switch, steps = engine.local.switches[1], sum(engine.local.steps.values())
+    assert switch._exploring and engine.local.steps[True] > 0
+    counted = sum(switch._count.values())
+    assert engine.local.uncounted == (1 if fed_first else 0)
+    # every step's unit is observed once the next step starts (the last one: maybe not yet)
+    assert steps - 1 <= counted + engine.local.uncounted <= steps
+
+
 @pytest.mark.parametrize("a, b, n", [([], [1, 2], 0), ([1, 2, 3], [1, 2, 3, 4], 3),
                                      ([1, 2, 9, 4], [1, 2, 3, 4], 2), ([5], [1], 0),
                                      ([1, 2, 3], [1, 2, 3], 3)])

@@ -254,6 +254,11 @@ class _VerifyJob(FeedJob):
         room = self._max_context - len(self.entry.tokens) - fed
         return max(0, min(self._local_k, wanted - 1, room))
 
+    @property
+    def feeding(self) -> int:
+        """Tokens of the session's own the next pass feeds (a prompt's, or one)."""
+        return len(self.pending) if self._result is None else 1
+
     def draft_context(self) -> list[int]:
         """The session's tokens once the next pass fed its own: what drafts continue."""
         fed = self.pending if self._result is None else [self.last]

@@ -23,7 +23,11 @@ k + 1 tokens a session cost nearly k + 1 times one. One switch per level of batc
 sessions a step carries: 1, 2-3, 4-7, ...) interleaves steps with and without drafts now
 and then (services/paired_switch.py) and keeps whichever serves more tokens per second of
 the steps' cycles (all of the step's sessions' tokens: a longer pass delays them all),
-drafting only when it serves ``MIN_GAIN`` times more: it costs the drafter's passes. An
+drafting only when it serves ``MIN_GAIN`` times more: it costs the drafter's passes. A step
+that feeds a prompt, or a session's context to the draft model (its first drafting step), is
+not counted: a cost that comes once a session, which an exploration would see on every
+session that starts in it (a fresh `specmesh up`'s first exploration, over its first
+requests, read 297 against 431 tokens/s for drafting). An
 exploration in which the drafting steps serve less than ``CUT_BELOW`` of the others ends
 after a quarter of an epoch, and the next one comes 16 epochs later: under load, where
 drafts lose by about half, an exploration's drafting steps are the cost (at 16 streams in
@@ -47,7 +51,7 @@ from typing import Any
 
 import torch
 
-from services.batching import Row, forward_rows
+from services.batching import PREFILL_ROW, Row, forward_rows
 from services.kv_cache import SessionCache
 from services.paired_switch import PairedSwitch
 from services.sampling import SparseDraft, sparse_draft_sample_rows, warp_logits
@@ -77,12 +81,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 @dataclass
 class _Unit:
     """A step that carried jobs that may draft: when it began, its jobs and the tokens each
-    had decoded before it, its switch's level."""
+    had decoded before it, its switch's level; ``cut``: it fed a prompt (to the target, or a
+    session's context to the draft model), a cost that comes once a session, not counted."""
 
     started: float
     jobs: list
     before: list[int]
     level: int
+    cut: bool = False
 
 
 class LocalDrafter:
@@ -106,6 +112,7 @@ class LocalDrafter:
         self._unit: _Unit | None = None
         self.steps = {True: 0, False: 0}  # steps with jobs that may draft: drafted, not
         self.drafted = 0  # draft tokens proposed
+        self.uncounted = 0  # steps that fed a context, left out of the switch's rates
 
     @staticmethod
     def level(jobs: int) -> int:
@@ -150,7 +157,8 @@ class LocalDrafter:
         switch = self.switch(level)
         on = switch.mode(now)
         counted = [job for job in jobs if hasattr(job, "produced")]
-        self._unit = _Unit(now, counted, [job.produced for job in counted], level)
+        prompt = any(getattr(job, "feeding", 1) >= PREFILL_ROW for job in jobs)
+        self._unit = _Unit(now, counted, [job.produced for job in counted], level, prompt)
         if switch.kept_changed():
             low = 1 << (level - 1)
             log.info("plain rounds of %d-%d sessions a step now %s (tokens per second: "
@@ -173,7 +181,8 @@ class LocalDrafter:
             return
         tokens = sum(max(0, job.produced - before)
                      for job, before in zip(unit.jobs, unit.before, strict=True))
-        self.switch(unit.level).observe(unit.started, now - unit.started, tokens)
+        self.uncounted += unit.cut
+        self.switch(unit.level).observe(unit.started, now - unit.started, tokens, unit.cut)
 
     def _entry(self, session_id: str) -> SessionCache:
         entry = self.caches.get(session_id)
@@ -195,6 +204,8 @@ class LocalDrafter:
             keep = min(common_prefix(entry.tokens, context), len(context) - 1)
             entry.crop(keep)
             feeds.append((entry, context[keep:]))
+            if len(context) - keep >= PREFILL_ROW:  # (a session's context, not a step's tokens)
+                self._unit.cut = True
             drafts.append([])
         while True:
             live = [i for i, (_, k) in enumerate(wanting) if len(drafts[i]) < k]
