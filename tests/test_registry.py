@@ -56,9 +56,12 @@ def test_a_redis_outage_is_logged_once_then_every_few_seconds_and_when_it_ends(
     from services import registry
 
     monkeypatch.setattr(registry, "REPEAT_LOG_S", 0.2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    # A port held bound but not listening refuses connections for the whole scenario: a port
+    # closed again may be taken by another process meanwhile (a full suite's run once got
+    # "Connection lost" there, a second kind of failure and a second first-failure line).
+    hold = socket.socket()
+    hold.bind(("127.0.0.1", 0))
+    dead_port = hold.getsockname()[1]
 
     async def scenario():
         dead = aioredis.Redis.from_url(f"redis://127.0.0.1:{dead_port}/0")
@@ -74,7 +77,7 @@ def test_a_redis_outage_is_logged_once_then_every_few_seconds_and_when_it_ends(
         await dead.aclose()
         await live.aclose()
 
-    with caplog.at_level(logging.INFO, logger="services.registry"):
+    with hold, caplog.at_level(logging.INFO, logger="services.registry"):
         asyncio.run(scenario())
     lines = [r.getMessage() for r in caplog.records if r.name == "services.registry"]
     failed = [m for m in lines if m.startswith("registry heartbeat failed")]
