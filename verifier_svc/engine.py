@@ -250,8 +250,7 @@ class _VerifyJob(FeedJob):
         if self._result is None and (not self.pending or 0 < self.chunk < len(self.pending)):
             return 0
         wanted = self.limit - (0 if self._result is None else 1 + len(self.more))
-        fed = len(self.pending) if self._result is None else 1
-        room = self._max_context - len(self.entry.tokens) - fed
+        room = self._max_context - len(self.entry.tokens) - self.feeding
         return max(0, min(self._local_k, wanted - 1, room))
 
     @property
@@ -303,16 +302,7 @@ class _VerifyJob(FeedJob):
             new = self._drafted(logits, self.pending, drafts)
             self._result, self.more = (0, new[0]), new[1:]
             return
-        entry, params = self.entry, self.call.params
-        start = len(entry.tokens)
-        entry.tokens.extend(self.pending)
-        entry.tokens.extend(self.call.draft_ids)
-        if params.greedy:
-            accepted, extra = accept_greedy(self.draft.token_ids, logits)
-        else:
-            accepted, extra = accept_sampled(self.draft, warp_logits(logits, params),
-                                             self.generator)
-        entry.crop(start + len(self.pending) + accepted)
+        accepted, extra = self._accept(logits, self.pending, self.draft)
         self._result = (accepted, extra)
         if self.call.logprobs >= 0:
             self.logprobs = _logprobs(logits[: accepted + 1],
@@ -323,15 +313,26 @@ class _VerifyJob(FeedJob):
         if drafts is not None:
             self.more.extend(self._drafted(logits, [self.last], drafts))
             return
-        self.entry.tokens.append(self.last)  # the token this pass fed
-        if self.call.params.greedy:
-            _, token = accept_greedy(_NO_DRAFT.token_ids, logits)
-        else:
-            _, token = accept_sampled(self.draft, warp_logits(logits, self.call.params),
-                                      self.generator)
+        _, token = self._accept(logits, [self.last], self.draft)  # (the call's: no drafts)
         self.more.append(token)
         if self.call.logprobs >= 0:
             self.logprobs += _logprobs(logits, [token], self.call.logprobs)
+
+    def _accept(self, logits: torch.Tensor, fed: Sequence[int], draft: SparseDraft
+                ) -> tuple[int, int]:
+        """The acceptance rule on a pass that fed ``fed`` and ``draft``'s tokens (none: a
+        token of the target's own): (accepted, the target's token); the cache keeps ``fed``
+        and the accepted drafts. logits [1 + k, V]."""
+        entry, params = self.entry, self.call.params
+        start = len(entry.tokens) + len(fed)
+        entry.tokens.extend(fed)
+        entry.tokens.extend(draft.token_ids.tolist())
+        if params.greedy:
+            accepted, extra = accept_greedy(draft.token_ids, logits)
+        else:
+            accepted, extra = accept_sampled(draft, warp_logits(logits, params), self.generator)
+        entry.crop(start + accepted)
+        return accepted, extra
 
     def _drafted(self, logits: torch.Tensor, fed: list[int], drafts: SparseDraft
                  ) -> list[int]:
@@ -339,21 +340,13 @@ class _VerifyJob(FeedJob):
         token) and k local drafts: returns the tokens decoded, the accepted drafts and the
         target's own token, up to an end-of-sequence token; the cache keeps what was fed
         of them (all but the last)."""
-        entry, params = self.entry, self.call.params
-        start = len(entry.tokens) + len(fed) - 1  # the position of the last token fed
+        accepted, extra = self._accept(logits, fed, drafts)
         ids = drafts.token_ids.tolist()  # [k]
-        entry.tokens.extend(fed)
-        entry.tokens.extend(ids)
-        if params.greedy:
-            accepted, extra = accept_greedy(drafts.token_ids, logits)
-        else:
-            accepted, extra = accept_sampled(drafts, warp_logits(logits, params),
-                                             self.generator)
         new = [*ids[:accepted], extra]
         end = next((i for i, t in enumerate(new) if t in self._eos), None)
-        if end is not None:
+        if end is not None:  # the cache keeps the drafts fed before it, not those after
+            self.entry.crop(len(self.entry.tokens) - (len(new) - 1 - end))
             new = new[: end + 1]
-        entry.crop(start + len(new))
         self.local_drafted += len(ids)
         self.local_accepted += accepted
         if self.call.logprobs >= 0:

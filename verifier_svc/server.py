@@ -29,12 +29,19 @@ class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
         span = trace.get_current_span()
         span.set_attribute("specmesh.draft_tokens", len(call.draft_ids))
         span.set_attribute("specmesh.accepted", result.num_accepted)
-        self.metrics.draft_tokens.add(len(call.draft_ids))
-        self.metrics.accepted_tokens.add(result.num_accepted)
-        self.metrics.fed_tokens.add(len(result.more))  # (the call's plain tokens it fed)
-        self.metrics.local_draft_tokens.add(result.local_drafted)
-        self.metrics.local_accepted_tokens.add(result.local_accepted)
+        self._count([call], [result])
         return verify_result_to_pb(result)
+
+    def _count(self, calls, outcomes) -> None:
+        """The token counters of the calls answered (an outcome that is an error: none)."""
+        done = [(c, r) for c, r in zip(calls, outcomes, strict=True)
+                if not isinstance(r, BaseException)]
+        m = self.metrics
+        m.draft_tokens.add(sum(len(c.draft_ids) for c, _ in done))
+        m.accepted_tokens.add(sum(r.num_accepted for _, r in done))
+        m.fed_tokens.add(sum(len(r.more) for _, r in done))  # (the calls' plain tokens fed)
+        m.local_draft_tokens.add(sum(r.local_drafted for _, r in done))
+        m.local_accepted_tokens.add(sum(r.local_accepted for _, r in done))
 
     async def VerifyStream(self, requests, context):
         """Verify calls over one stream (services/call_stream.py)."""
@@ -51,19 +58,7 @@ class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
         calls = [verify_call_from_pb(r.call) for r in request.calls]
         outcomes = await self.observed_many([c.cache for c in calls],
                                             lambda: self.engine.verify_many(calls))
-        drafted = accepted = fed = local = local_accepted = 0
-        for call, outcome in zip(calls, outcomes, strict=True):
-            if not isinstance(outcome, BaseException):
-                drafted += len(call.draft_ids)
-                accepted += outcome.num_accepted
-                fed += len(outcome.more)
-                local += outcome.local_drafted
-                local_accepted += outcome.local_accepted
-        self.metrics.draft_tokens.add(drafted)
-        self.metrics.accepted_tokens.add(accepted)
-        self.metrics.fed_tokens.add(fed)  # (the calls' plain tokens they fed themselves)
-        self.metrics.local_draft_tokens.add(local)
-        self.metrics.local_accepted_tokens.add(local_accepted)
+        self._count(calls, outcomes)
         return verifier_pb2.VerifyBatchResponse(outcomes=batch_replies(
             request.calls, outcomes, verify_result_to_pb, _reply, "VerifyBatch"))
 
