@@ -310,6 +310,45 @@ class LeanLlama(torch.nn.Module):
                               [(sorted(where[b] for b in idx), p) for idx, p in shared])
         return [logits[where[b]] for b in range(len(rows))]
 
+    @torch.inference_mode()
+    def greedy_drafts(self, rows, steps: int) -> list[list[int]] | None:
+        """``steps`` greedy tokens for each row in one operator (``UniformPass.drafts``): its
+        tokens fed, then each token chosen (the argmax of the last logits) fed in turn, the
+        last one not; the tokens and caches of as many ``forward_ragged`` passes with argmax
+        between them. A draft model's drafting step (verifier_svc/local_drafts.py) ran its k
+        passes so with ~0.3 ms less of the interpreter and dispatch each (docs/performance.md).
+        None, nothing fed, where the rows cannot run as one uniform pass (the caller runs its
+        passes): rows of different sizes, a cache outside the pool or without room for the
+        steps, positions past the rotary table, or a weight without its 16-bit copy."""
+        width, table = len(rows[0].tokens), self.rope.table
+        ends = [r.start + width + steps - 1 for r in rows]
+        if (not (self.kernel_rope and self._uniform(width)) or table is None
+                or self._lm_head.half_over(len(rows)) is None
+                or any(len(r.tokens) != width or r.keep != 1 for r in rows)
+                or max(ends) > min(self.pool.slot_len, len(table[0]))
+                or len(self._pooled(rows)) != len(rows)):
+            return None
+        order = slot_order(rows) or list(range(len(rows)))
+        rows = [rows[b] for b in order]
+        dev = self.hf.model.embed_tokens.weight.device
+        plans = ragged_attention.plan(rows, range(len(rows)), range(0, len(rows) * width, width),
+                                      self.pool, self._heads // self._kv_heads, dev, kernel=True)
+        p = plans[0]
+        if len(plans) != 1 or not p.aligned or p.span != slice(0, len(rows) * width):
+            return None
+        for r, end in zip(rows, ends, strict=True):  # (positions the steps read hold numbers)
+            self.pool.ready(r.kv.slot, r.start + width, end)
+        ids = torch.tensor([t for r in rows for t in r.tokens], device=dev)
+        chosen = self.uniform_pass.drafts(
+            self.hf.model.embed_tokens(ids), p, self.pool.segments[p.segment], table[0][p.pos],
+            table[1][p.pos], self.hf.model.embed_tokens.weight, self.hf.model.norm.weight,
+            self._lm_head, table, steps).tolist()  # [rows, steps]
+        for r in rows:
+            for layer in r.kv.layers:
+                layer.length += width + steps - 1
+        where = {old: new for new, old in enumerate(order)}
+        return [chosen[where[b]] for b in range(len(rows))]
+
     def _ragged(self, rows, shared: list[tuple[list[int], int]] = ()
                 ) -> list[torch.Tensor]:
         """One pass over several sessions' new tokens, each on its own KV cache, read and

@@ -64,6 +64,25 @@ class UniformPass:
             [k for k, _ in prefix], [v for _, v in prefix])[None]
 
 
+    def drafts(self, x: torch.Tensor, p, segment: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               cos: torch.Tensor, sin: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor,
+               head, tables: tuple[torch.Tensor, torch.Tensor], steps: int) -> torch.Tensor:
+        """``steps`` greedy passes from x [T, h] over ``p``'s rows (``run``'s arguments, no
+        prefix): the first over x, each next over the tokens the one before chose, one a row
+        (``specmesh_cpu::greedy_drafts``, services/csrc/draft_loop.h). ``embed`` [V, h],
+        ``norm`` [h]: the model's embedding and final norm; ``head``: its LM head
+        (services/linear_layers.py ``Linear``, with its 16-bit copy); ``tables``: cos and
+        signed sin of every position [P, D] each. Returns the chosen tokens [rows, steps]."""
+        H, KV, D = self._heads, self._kv_heads, self._head_dim
+        ln1, qkv, o, ln2, gate_up, down = self.weights
+        return torch.ops.specmesh_cpu.greedy_drafts(
+            x, ln1, qkv, (H + 2 * KV) * D, o, ln2, gate_up, 2 * self._inter, down,
+            [b[0] for b in segment], [b[1] for b in segment], cos, sin, H, KV, self._eps,
+            D ** -0.5, p.slot, p.pos, p.lo, p.width, p.keys, p.last,
+            p.rel if p.width == 1 else p.rel[::p.width].contiguous(),
+            embed, norm, head.half, head.weight.shape[0], *tables, steps)
+
+
 def slot_order(rows: Sequence) -> list[int] | None:
     """The rows' indices by their caches' pool slots, or None where they are in that order
     already or a row's cache has no slot."""

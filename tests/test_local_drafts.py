@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from services.config import ModelServiceConfig, ServerConfig
 from services.hashing import token_hash
@@ -39,6 +41,22 @@ def _engine(target: str, drafter: str, k: int = 3, sessions: int = 256) -> Verif
     runner = ModelRunner(model, meta, device, max_queue=64, max_batch=16)
     return VerifierEngine(runner, SessionCaches(64, runner.new_kv), max_draft_tokens=16,
                           local=build_local_drafter(config, meta))
+
+
+@pytest.fixture(scope="module")
+def half_pair(tiny_pair, tmp_path_factory) -> tuple[str, str]:
+    """The tiny pair with every weight rounded to a float16 number (the demo pair's are), so
+    the lean forward keeps 16-bit copies and runs its one-operator passes."""
+    out = []
+    for path in tiny_pair:
+        dest = tmp_path_factory.mktemp("half") / "model"
+        shutil.copytree(path, dest)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        for p in model.parameters():
+            p.data = p.data.half().float()
+        model.save_pretrained(dest)
+        out.append(str(dest))
+    return out[0], out[1]
 
 
 def _always(local: LocalDrafter, on: bool = True) -> None:
@@ -76,14 +94,20 @@ def _prompts(vocab: int, sizes=(7, 12, 5, 9)) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in sizes]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-operator", "pass-by-pass"])
 @pytest.mark.parametrize("own", [True, False], ids=["drafter-is-target", "tiny-drafter"])
-def test_plain_rounds_with_local_drafts_give_hf_greedys_tokens(tiny_pair, target_model, own):
+def test_plain_rounds_with_local_drafts_give_hf_greedys_tokens(tiny_pair, half_pair, own,
+                                                               fused):
     """Four sessions at once, plain rounds of 8 tokens, every step drafting 3: each
     session's tokens are HF greedy's. With the target as its own drafter every draft is
     accepted (a pass gives 4 tokens: the last step of a round fewer); with the tiny drafter
-    some are rejected, and the caches the rejected drafts were fed to go on exact."""
-    model, _ = target_model
-    engine = _engine(tiny_pair[0], tiny_pair[0] if own else tiny_pair[1])
+    some are rejected, and the caches the rejected drafts were fed to go on exact. Greedy
+    drafts run the draft model's passes in one operator where the rows allow
+    (``greedy_drafts``: the pair's weights are 16-bit numbers; ``fused``), else pass by
+    pass (the pair's float32 weights): the same tokens either way."""
+    pair = half_pair if fused else tiny_pair
+    model = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+    engine = _engine(pair[0], pair[0] if own else pair[1])
     _always(engine.local)
     prompts = _prompts(model.config.vocab_size)
     eos = engine.runner.meta.eos_token_ids
@@ -99,6 +123,10 @@ def test_plain_rounds_with_local_drafts_give_hf_greedys_tokens(tiny_pair, target
     assert got == want
     stats, local = engine.stats, engine.local
     assert local.drafted > 0 and stats.draft_tokens == local.drafted
+    # (four sessions' rows run as one once their first drafting steps fed their contexts)
+    assert (local.fused >= local.steps[True] // 2) if fused else local.fused == 0
+    for entry in local.caches.values():  # each draft cache holds the tokens it says it does
+        assert entry.kv.get_seq_length() == len(entry.tokens)
     if own:
         assert stats.accepted_tokens == stats.draft_tokens
         # 3 rounds of 8 a session: passes of 4, 4 (the round's last), ... far fewer than 24

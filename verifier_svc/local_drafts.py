@@ -113,6 +113,7 @@ class LocalDrafter:
         self.steps = {True: 0, False: 0}  # steps with jobs that may draft: drafted, not
         self.drafted = 0  # draft tokens proposed
         self.uncounted = 0  # steps that fed a context, left out of the switch's rates
+        self.fused = 0  # drafting steps whose passes (all or all but the first) ran as one
 
     @staticmethod
     def level(jobs: int) -> int:
@@ -216,6 +217,8 @@ class LocalDrafter:
                 entry, feed = feeds[i]
                 tokens = feed if not drafts[i] else [drafts[i][-1][0]]
                 rows.append(Row(tokens=tokens, kv=entry.kv, start=len(entry.tokens), keep=1))
+            if self._greedy(live, rows, wanting, feeds, drafts):
+                break
             logits = forward_rows(self.model, rows, self.device, self.new_cache)
             for i, row, lg in zip(live, rows, logits, strict=True):
                 feeds[i][0].tokens.extend(row.tokens)
@@ -223,6 +226,25 @@ class LocalDrafter:
         for (job, _), drawn in zip(wanting, drafts, strict=True):
             job.local = _sparse(drawn)
             self.drafted += len(drawn)
+
+    def _greedy(self, live: list[int], rows: list[Row], wanting: list[tuple[Any, int]],
+                feeds: list, drafts: list[list]) -> bool:
+        """Where every live job is greedy, the rest of their drafts in one call of the draft
+        model's ``greedy_drafts`` (services/lean_llama.py: its passes in one operator), which
+        feeds each row and then its drafts but the last: a job that wants fewer drafts than
+        another takes its first ones (the others stay in its cache, as a rejected draft's
+        would, and go at its next crop). False where it does not run: the passes go one by one."""
+        run = getattr(self.model, "greedy_drafts", None)
+        if run is None or not all(wanting[i][0].call.params.greedy for i in live):
+            return False
+        chosen = run(rows, max(wanting[i][1] - len(drafts[i]) for i in live))
+        if chosen is None:
+            return False
+        self.fused += 1
+        for i, row, tokens in zip(live, rows, chosen, strict=True):
+            feeds[i][0].tokens.extend([*row.tokens, *tokens[:-1]])
+            drafts[i] += [(t, [t], [1.0]) for t in tokens[:wanting[i][1] - len(drafts[i])]]
+        return True
 
     @staticmethod
     def _draw(job, logits: torch.Tensor) -> tuple[int, list[int], list[float]]:

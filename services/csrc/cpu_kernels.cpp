@@ -2,7 +2,8 @@
 // the attention of a pass's pooled decode and verify rows (pooled_attention.h) and of a shared
 // prefix (prefix_attention.h), RMS norm, a layer's rotary embedding with its cache writes, and
 // a layer's steps over few rows as one operator each, and the layers of a pass whose rows hold
-// as many tokens each as one (layer_parts.h).
+// as many tokens each as one (layer_parts.h), and a draft model's greedy passes of a drafting
+// step as one (draft_loop.h).
 //
 // y = x @ W^T for float32 activations and weights stored in 16 bits (fp16 or bf16), computed in
 // float32: each weight is widened exactly and every product and sum is a float32 FMA, so the
@@ -475,6 +476,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 }
 
 #include "layer_parts.h"
+#include "draft_loop.h"
 
 std::string cpu_isa() { return isa(); }
 
@@ -499,5 +501,10 @@ TORCH_LIBRARY(specmesh_cpu, m) {
         "Tensor ssin, int heads, int kv_heads, float eps, float scale, Tensor slot, Tensor pos, int lo, "
         "int width, int since, int keys_end, Tensor last, Tensor rows_at, Tensor[] prefix_keys, "
         "Tensor[] prefix_values) -> Tensor", &dense_layers);
+  m.def("greedy_drafts(Tensor x, Tensor[] ln1, Tensor[] qkv, int qkv_n, Tensor[] o, Tensor[] ln2, "
+        "Tensor[] gate_up, int gu_n, Tensor[] down, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor cos, "
+        "Tensor ssin, int heads, int kv_heads, float eps, float scale, Tensor slot, Tensor pos, int lo, "
+        "int width, int keys_end, Tensor last, Tensor rows_at, Tensor embed, Tensor norm, Tensor head, "
+        "int vocab, Tensor cos_table, Tensor ssin_table, int steps) -> Tensor", &greedy_drafts);
   m.def("isa() -> str", &cpu_isa);
 }
