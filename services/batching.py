@@ -295,7 +295,10 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
     wide = prefill_threads if prompt else 0
     if plain is not None:
         if rows and not prompt and not any(job.beside for job in jobs):
-            wide = plain.plain(start, len(rows), drafts=any(r.keep > 1 for r in rows))
+            drafts = any(r.keep > 1 for r in rows)
+            wide = plain.plain(start, len(rows), drafts=drafts)
+            if drafter is not None and wide != plain.kept(plain.level(len(rows)), drafts):
+                drafter.other_threads()
         else:
             plain.other()
     try:

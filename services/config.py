@@ -138,6 +138,7 @@ class ModelServiceConfig:
     stall_s: float = 120.0  # a pass running longer: health NOT_SERVING until it ends; 0 = off
     local_drafter: str = ""  # a verifier's own draft model for its plain rounds; "" = none
     local_draft_tokens: int = 3  # ... tokens it drafts a pass
+    local_draft_sessions: int = 1  # ... only in steps of at most this many sessions
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a model (hub name or local path) is required")
@@ -164,6 +165,8 @@ class ModelServiceConfig:
         _require(1 <= self.local_draft_tokens <= self.max_draft_tokens,
                  f"local draft tokens must be in 1..{self.max_draft_tokens} (--max-draft-tokens),"
                  f" got {self.local_draft_tokens}")
+        _require(self.local_draft_sessions >= 1,
+                 f"local draft sessions must be >= 1, got {self.local_draft_sessions}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from specmesh.options import (
     Host,
     KvBudget,
     LocalDrafter,
+    LocalDraftSessions,
     LocalDraftTokens,
     LogFormat,
     LogLevel,
@@ -58,8 +59,8 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                    kv_budget_mb: int, max_batch: int, forward: str, prefix_cache_mb: int,
                    prefix_block: int, prefill_chunk: int, prefill_threads: int,
                    stall_s: float, plain_threads: int = R["plain_threads"],
-                   local_drafter: str = "", local_draft_tokens: int = R["local_draft_tokens"]
-                   ) -> None:
+                   local_drafter: str = "", local_draft_tokens: int = R["local_draft_tokens"],
+                   local_draft_sessions: int = R["local_draft_sessions"]) -> None:
     from services.config import ModelServiceConfig
 
     model = model_reference(model, "--model")
@@ -77,7 +78,8 @@ def _model_service(kind: str, server, model, device, dtype, max_sessions, max_dr
                                     prefill_threads=prefill_threads,
                                     plain_threads=plain_threads, stall_s=stall_s,
                                     local_drafter=local_drafter,
-                                    local_draft_tokens=local_draft_tokens)
+                                    local_draft_tokens=local_draft_tokens,
+                                    local_draft_sessions=local_draft_sessions)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     from services.models import device_problem
@@ -143,7 +145,8 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
              plain_threads: PlainThreads = R["plain_threads"],
              stall_s: StallS = R["stall_s"], parent_pid: ParentPid = 0,
              local_drafter: LocalDrafter = R["local_drafter"],
-             local_draft_tokens: LocalDraftTokens = R["local_draft_tokens"]) -> None:
+             local_draft_tokens: LocalDraftTokens = R["local_draft_tokens"],
+             local_draft_sessions: LocalDraftSessions = R["local_draft_sessions"]) -> None:
     """Run a verifier: holds the target model, verifies drafts in one forward pass."""
     _model_service("verifier", server_config(port, host, tls_cert, tls_key, tls_ca, health_port,
                                             parent_pid), model,
@@ -152,7 +155,7 @@ def verifier(model: Model, port: Port = 50071, host: Host = "0.0.0.0", device: D
                    telemetry_config("verifier", metrics_port, log_format, log_level), "model", redis,
                    advertise, kv_budget_mb, max_batch, forward, prefix_cache_mb, prefix_block,
                    prefill_chunk, prefill_threads, stall_s, plain_threads, local_drafter,
-                   local_draft_tokens)
+                   local_draft_tokens, local_draft_sessions)
 
 
 @app.command()

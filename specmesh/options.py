@@ -142,6 +142,13 @@ LocalDrafter = Annotated[str, typer.Option(
 LocalDraftTokens = Annotated[int, typer.Option(
     "--local-draft-tokens", envvar="SPECMESH_LOCAL_DRAFT_TOKENS", min=1,
     help="Drafts of --local-drafter a pass verifies (at most --max-draft-tokens).")]
+LocalDraftSessions = Annotated[int, typer.Option(
+    "--local-draft-sessions", envvar="SPECMESH_LOCAL_DRAFT_SESSIONS", min=1,
+    help="--local-drafter drafts only in passes of at most this many sessions. On a CPU a "
+         "pass of k + 1 tokens a session costs nearly k + 1 passes from two sessions on, "
+         "and drafting steps end calls sooner, which breaks up the batch: on the demo pair "
+         "it paid at one session a pass only. Where a wider pass costs about one (a GPU), "
+         "measure a higher value with `specmesh bench`.")]
 Forward = Annotated[str, typer.Option("--forward", envvar="SPECMESH_FORWARD",
                                       help="auto: Llama-architecture models run a lean forward "
                                            "(less Python per call; on a CPU with weights "

@@ -47,6 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
       "./no/such/drafter"], "./no/such/drafter"),
     (["verifier", "--model", str(ROOT / "models/demo-target"), "--local-draft-tokens", "17"],
      "local draft tokens must be in 1..16"),
+    (["verifier", "--model", str(ROOT / "models/demo-target"), "--local-draft-sessions", "0"],
+     "--local-draft-sessions"),
     (["gateway", "--redis", "redis://x", "--parent-pid", "-1"], "--parent-pid"),
     (["generate", "x", "--no-such-option"], "--no-such-option"),
 ])

@@ -163,7 +163,7 @@ def test_chart_metadata_and_every_value_commented():
 
 
 # settings only a verifier has (passes without drafts, its own draft model)
-VERIFIER_ONLY = {"plainThreads", "localDrafter", "localDraftTokens"}
+VERIFIER_ONLY = {"plainThreads", "localDrafter", "localDraftTokens", "localDraftSessions"}
 
 
 def test_tiers_have_the_same_values_shape():

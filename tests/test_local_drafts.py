@@ -33,11 +33,12 @@ from verifier_svc.local_drafts import LocalDrafter, build_local_drafter, common_
 GREEDY = SamplingParams()
 
 
-def _engine(target: str, drafter: str, k: int = 3, sessions: int = 256) -> VerifierEngine:
+def _engine(target: str, drafter: str, k: int = 3, sessions: int = 256,
+            step_sessions: int = 64) -> VerifierEngine:
     model, meta, device = load_for_serving(target, "cpu", "float32", 1)
     config = ModelServiceConfig(server=ServerConfig(port=1), model=target, threads=1,
                                 local_drafter=drafter, local_draft_tokens=k,
-                                max_sessions=sessions)
+                                max_sessions=sessions, local_draft_sessions=step_sessions)
     runner = ModelRunner(model, meta, device, max_queue=64, max_batch=16)
     return VerifierEngine(runner, SessionCaches(64, runner.new_kv), max_draft_tokens=16,
                           local=build_local_drafter(config, meta))
@@ -366,3 +367,48 @@ def test_the_gateway_allows_local_drafts_only_where_the_draws_may_differ(redis_u
 
     flags = asyncio.run(main())
     assert flags == {name: want for name, (_, want) in requests.items()}
+
+
+@dataclasses.dataclass
+class _Job:
+    """What ``LocalDrafter.prepare`` reads of a job that may draft, where no draft is made."""
+
+    produced: int = 0
+    feeding: int = 1
+
+    def wants_drafts(self) -> int:
+        return 3
+
+
+def test_steps_of_more_sessions_than_the_limit_do_not_draft_nor_count():
+    """``--local-draft-sessions``: a step of more sessions drafts nothing and its switch
+    sees nothing of it (no level's switch is even made); a step within the limit goes to
+    its level's switch."""
+    local = LocalDrafter(model=None, device=torch.device("cpu"), new_cache=list, k=3,
+                         max_sessions=8, step_sessions=2)
+    _always(local, on=False)
+    made = set(local.switches)
+    local.switches.pop(3)  # (a switch for 4-7 sessions a step would be made on first use)
+    local.prepare([_Job(), _Job(), _Job()], 0.0)
+    assert local.steps == {True: 0, False: 0} and set(local.switches) == made - {3}
+    local.prepare([_Job(), _Job()], 0.01)
+    assert local.steps == {True: 0, False: 1}
+
+
+def test_a_step_on_threads_its_kind_does_not_keep_is_not_counted():
+    """While the verifier's thread switch explores, a step it runs on the threads it does not
+    keep (``other_threads``, called by run_step) is left out of the local switch's rates, as
+    a step that feeds a context is: it measures neither mode as it runs when kept."""
+    local = LocalDrafter(model=None, device=torch.device("cpu"), new_cache=list, k=3,
+                         max_sessions=8)
+    switch = local.switches[1] = PairedSwitch(epoch_s=10.0, min_rounds=2)
+    assert switch.mode(-0.001)  # an exploration's first unit drafts; the next two do not
+    job = _Job()
+    local.prepare([job], 0.0)
+    local.other_threads()
+    job.produced += 1
+    local.prepare([job], 0.01)  # observes the first step: not counted
+    assert local.uncounted == 1 and sum(switch._count.values()) == 0
+    job.produced += 1
+    local._observe(0.02)  # the second: counted
+    assert local.uncounted == 1 and switch._count == {True: 0, False: 1}

@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from services.batching import Row, StepJob, run_step
 from services.hashing import token_hash
 from services.kv_cache import SessionCaches
 from services.messages import CacheDelta, VerifyCall
@@ -209,3 +210,49 @@ def test_wide_passes_must_serve_ten_percent_more_to_be_taken():
     pt = PlainThreads(1, 2, epoch_s=0.05, min_passes=4)
     _serve(pt, lambda threads: 10.0 / 1.05 if threads == 2 else 10.0)
     assert pt.kept(PlainThreads.level(8)) == 1
+
+
+class _Steps(StepJob):
+    """A job of one-token passes on a session's cache."""
+
+    def __init__(self, kv) -> None:
+        self.kv, self.fed = kv, 0
+
+    def next_row(self) -> Row:
+        return Row(tokens=[1 + self.fed % 7], kv=self.kv, start=self.fed, keep=1)
+
+    def take(self, logits: torch.Tensor) -> None:
+        self.fed += 1
+
+
+class _LocalDrafts:
+    """A verifier's own draft model as run_step sees it: told of the steps whose pass runs
+    on threads their kind does not keep."""
+
+    def __init__(self) -> None:
+        self.prepared = self.other = 0
+
+    def prepare(self, jobs, now: float) -> None:
+        self.prepared += 1
+
+    def other_threads(self) -> None:
+        self.other += 1
+
+
+def test_a_step_on_threads_not_kept_is_told_to_the_local_drafter():
+    """While the thread switch explores, the local drafter (verifier_svc/local_drafts.py)
+    hears of each step run on the count its kind does not keep, and only of those: its own
+    switch leaves them out of its rates."""
+    target, _ = tables(vocab=48, seed=3, noise=1.5)
+    lm = TableLM(target.a, target.b)
+    narrow = torch.get_num_threads()
+    pt = PlainThreads(narrow, narrow + 1, epoch_s=10.0, min_passes=2)  # explores first
+    runner = ModelRunner(lm, _meta(lm, "target"), torch.device("cpu"), max_queue=8,
+                         max_batch=4, plain=pt)
+    job, local = _Steps(runner.new_kv()), _LocalDrafts()
+    for _ in range(8):
+        run_step(lm, [job], torch.device("cpu"), runner.new_kv, plain=pt, drafter=local)
+    # (Thue-Morse: the exploration's units 0-7 are wide, narrow, narrow, wide, narrow, wide,
+    # wide, narrow; the kept count until it ends is the narrow one)
+    assert local.prepared == 8 and pt.passes == {narrow: 4, narrow + 1: 4}
+    assert local.other == 4

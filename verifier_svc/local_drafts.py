@@ -19,13 +19,21 @@ them as a drafter's would), but not the same draws, which is why the gateway ask
 greedy requests and unseeded ones that speculate.
 
 Whether it pays depends on the batch: with many sessions a pass is bound by compute, and
-k + 1 tokens a session cost nearly k + 1 times one. One switch per level of batch size (the
-sessions a step carries: 1, 2-3, 4-7, ...) interleaves steps with and without drafts now
-and then (services/paired_switch.py) and keeps whichever serves more tokens per second of
-the steps' cycles (all of the step's sessions' tokens: a longer pass delays them all),
-drafting only when it serves ``MIN_GAIN`` times more: it costs the drafter's passes. A step
-that feeds a prompt, or a session's context to the draft model (its first drafting step), is
-not counted: a cost that comes once a session, which an exploration would see on every
+k + 1 tokens a session cost nearly k + 1 times one. Steps of more than ``step_sessions``
+sessions (``--local-draft-sessions``, 1) do not draft: on the demo pair on a 2-core CPU,
+forced in process, drafting served 0.8-1.0x at 2 sessions, 0.6-0.7x at 4, 0.5-0.6x at 8, and
+in the mesh with every level's switch deciding, 8 streams served 0.86-0.88x target-only
+against 1.01x without local drafts: a drafting step ends its calls in fewer passes, so
+sessions spend more of their time between calls and the batch breaks up, which a
+comparison of steps of one level cannot see (docs/performance.md). Up to that, one switch
+per level of batch size (the sessions a step carries: 1, 2-3, 4-7, ...) interleaves steps
+with and without drafts now and then (services/paired_switch.py) and keeps whichever serves
+more tokens per second of the steps' cycles (all of the step's sessions' tokens: a longer
+pass delays them all), drafting only when it serves ``MIN_GAIN`` times more: it costs the
+drafter's passes. A step
+whose pass runs on threads its kind does not keep (the thread switch explores) is not
+counted, nor one that feeds a prompt, or a session's context to the draft model (its first
+drafting step): a cost that comes once a session, which an exploration would see on every
 session that starts in it (a fresh `specmesh up`'s first exploration, over its first
 requests, read 297 against 431 tokens/s for drafting). An
 exploration in which the drafting steps serve less than ``CUT_BELOW`` of the others ends
@@ -100,10 +108,12 @@ class LocalDrafter:
     takes its drafts as a ``SparseDraft`` (``local``)."""
 
     def __init__(self, model, device: torch.device, new_cache: Callable[[], Any], k: int,
-                 max_sessions: int, epoch_s: float = 1.0, min_steps: int = 16) -> None:
+                 max_sessions: int, epoch_s: float = 1.0, min_steps: int = 16,
+                 step_sessions: int = 1) -> None:
         if k < 1:
             raise ValueError(f"local draft tokens must be >= 1, got {k}")
         self.model, self.device, self.new_cache, self.k = model, device, new_cache, k
+        self.step_sessions = step_sessions  # steps of more sessions do not draft
         self.max_sessions = max_sessions
         self._epoch_s, self._min_steps = epoch_s, min_steps
         self.caches: OrderedDict[str, SessionCache] = OrderedDict()  # the model thread's
@@ -150,6 +160,8 @@ class LocalDrafter:
         while self._released:
             self.caches.pop(self._released.pop(), None)
         self._observe(now)
+        if len(jobs) > self.step_sessions:
+            return
         wanting = [(job, k) for job in jobs
                    if (k := getattr(job, "wants_drafts", lambda: 0)()) > 0]
         if not wanting:
@@ -175,6 +187,15 @@ class LocalDrafter:
                 for job, _ in wanting:
                     job.local = None
                     self.caches.pop(job.session_id, None)
+
+    def other_threads(self) -> None:
+        """This step's pass runs on other threads than its kind's kept count (the verifier's
+        thread switch explores: services/plain_threads.py): not what either mode costs where
+        the threads are kept, so not counted. (One exploring beside the other had this
+        switch read a one-stream drafting rate of 261 against 618 tokens/s where others
+        read 683-815 against 519-591, and stop drafting.)"""
+        if self._unit is not None:
+            self._unit.cut = True
 
     def _observe(self, now: float) -> None:
         unit, self._unit = self._unit, None
@@ -282,9 +303,10 @@ def build_local_drafter(config, target_meta) -> LocalDrafter | None:
 
         def own():
             return DynamicCache(config=model.config)
-    log.info("plain rounds may draft %d tokens a pass with %s", config.local_draft_tokens,
-             config.local_drafter)
-    return LocalDrafter(model, device, own, config.local_draft_tokens, config.max_sessions)
+    log.info("plain rounds in passes of up to %d sessions may draft %d tokens a pass with %s",
+             config.local_draft_sessions, config.local_draft_tokens, config.local_drafter)
+    return LocalDrafter(model, device, own, config.local_draft_tokens, config.max_sessions,
+                        step_sessions=config.local_draft_sessions)
 
 
 def _sparse(drawn: list[tuple[int, list[int], list[float]]]) -> SparseDraft:

@@ -213,6 +213,8 @@ The environment every tier gets from the chart. Names are the SPECMESH_* variabl
   value: {{ $c.localDrafter | quote }}
 - name: SPECMESH_LOCAL_DRAFT_TOKENS
   value: {{ $c.localDraftTokens | quote }}
+- name: SPECMESH_LOCAL_DRAFT_SESSIONS
+  value: {{ $c.localDraftSessions | quote }}
 {{- end }}
 {{- /* the address gateways dial (an EndpointSlice's pod IP), under which the pod registers
        and publishes its prefix index in Redis */}}
