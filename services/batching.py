@@ -279,7 +279,9 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
     round (a job's ``beside``) runs on the service's own threads.
 
     ``drafter``: a verifier's own draft model (verifier_svc/local_drafts.py), which first
-    drafts for the jobs that may take drafts; its passes count as the step's."""
+    drafts for the jobs that may take drafts (its passes count as the step's) and hears
+    when the step ends (``finish``) and when its pass runs on threads its kind does not
+    keep."""
     start = time.perf_counter()
     if drafter is not None:
         drafter.prepare(jobs, start)
@@ -307,10 +309,14 @@ def run_step(model, jobs: Sequence[StepJob], device: torch.device,
     except Exception as exc:  # noqa: BLE001 - the pass failed: every job in it did
         for i in live:
             errors[i] = exc
+        if drafter is not None:
+            drafter.finish(time.perf_counter(), failed=True)
         return errors, (time.perf_counter() - start) * 1000.0
     for i, lg in zip(live, logits, strict=True):
         try:
             jobs[i].take(lg)
         except Exception as exc:  # noqa: BLE001
             errors[i] = exc
+    if drafter is not None:
+        drafter.finish(time.perf_counter())
     return errors, (time.perf_counter() - start) * 1000.0

@@ -412,3 +412,22 @@ def test_a_step_on_threads_its_kind_does_not_keep_is_not_counted():
     job.produced += 1
     local._observe(0.02)  # the second: counted
     assert local.uncounted == 1 and switch._count == {True: 0, False: 1}
+
+
+def test_a_step_is_rated_by_its_own_time_not_by_the_wait_for_the_next_calls():
+    """A step's rate is its tokens over its own time, from its drafting to its pass's end
+    (``finish``, called by run_step): the model thread's wait for the next calls after it
+    (a round that probes the drafter tier has no decode-ahead) is not charged to it. A step
+    whose pass failed is not counted."""
+    local = LocalDrafter(model=None, device=torch.device("cpu"), new_cache=list, k=3,
+                         max_sessions=8)
+    switch = local.switches[1] = PairedSwitch(epoch_s=10.0, min_rounds=2)
+    assert switch.mode(-0.001)  # (the exploration's next two units do not draft)
+    job = _Job()
+    local.prepare([job], 0.0)
+    job.produced += 2
+    local.finish(0.004)
+    local.prepare([job], 0.5)  # half a second later: the next call came
+    local.finish(0.504, failed=True)
+    assert switch._busy_s[False] == pytest.approx(0.004) and switch._tokens[False] == 2
+    assert switch._count == {True: 0, False: 1} and local.uncounted == 1

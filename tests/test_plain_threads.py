@@ -230,13 +230,16 @@ class _LocalDrafts:
     on threads their kind does not keep."""
 
     def __init__(self) -> None:
-        self.prepared = self.other = 0
+        self.prepared = self.other = self.finished = 0
 
     def prepare(self, jobs, now: float) -> None:
         self.prepared += 1
 
     def other_threads(self) -> None:
         self.other += 1
+
+    def finish(self, now: float, failed: bool = False) -> None:
+        self.finished += 1
 
 
 def test_a_step_on_threads_not_kept_is_told_to_the_local_drafter():
@@ -254,5 +257,5 @@ def test_a_step_on_threads_not_kept_is_told_to_the_local_drafter():
         run_step(lm, [job], torch.device("cpu"), runner.new_kv, plain=pt, drafter=local)
     # (Thue-Morse: the exploration's units 0-7 are wide, narrow, narrow, wide, narrow, wide,
     # wide, narrow; the kept count until it ends is the narrow one)
-    assert local.prepared == 8 and pt.passes == {narrow: 4, narrow + 1: 4}
+    assert local.prepared == local.finished == 8 and pt.passes == {narrow: 4, narrow + 1: 4}
     assert local.other == 4

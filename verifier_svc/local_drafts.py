@@ -28,19 +28,19 @@ sessions spend more of their time between calls and the batch breaks up, which a
 comparison of steps of one level cannot see (docs/performance.md). Up to that, one switch
 per level of batch size (the sessions a step carries: 1, 2-3, 4-7, ...) interleaves steps
 with and without drafts now and then (services/paired_switch.py) and keeps whichever serves
-more tokens per second of the steps' cycles (all of the step's sessions' tokens: a longer
-pass delays them all), drafting only when it serves ``MIN_GAIN`` times more: it costs the
-drafter's passes. A step
-whose pass runs on threads its kind does not keep (the thread switch explores) is not
+more tokens per second of the steps' own time, drafting included (all of the step's
+sessions' tokens: a longer pass delays them all; ``finish`` says why not their cycles),
+drafting only when it serves ``MIN_GAIN`` times more: it costs the drafter's passes. A
+step whose pass runs on threads its kind does not keep (the thread switch explores) is not
 counted, nor one that feeds a prompt, or a session's context to the draft model (its first
 drafting step): a cost that comes once a session, which an exploration would see on every
 session that starts in it (a fresh `specmesh up`'s first exploration, over its first
-requests, read 297 against 431 tokens/s for drafting). An
-exploration in which the drafting steps serve less than ``CUT_BELOW`` of the others ends
-after a quarter of an epoch, and the next one comes 16 epochs later: under load, where
-drafts lose by about half, an exploration's drafting steps are the cost (at 16 streams in
-the mesh a defaults cell's passes ran 10-14% longer than target-only's with explorations of
-whole epochs every 2, 4, 8 ... epochs).
+requests, read 297 against 431 tokens/s for drafting). An exploration in which the drafting
+steps serve less than ``CUT_BELOW`` of the others ends after a quarter of an epoch, and the
+next one comes 16 epochs later: under load, where drafts lose by about half, an
+exploration's drafting steps are the cost (at 16 streams in the mesh a defaults cell's
+passes ran 10-14% longer than target-only's with explorations of whole epochs every 2, 4, 8
+... epochs).
 
 The draft model's caches are this module's, one per session, kept in step with the
 target's by the tokens alone: before drafting, a session's cache is cropped to the longest
@@ -197,7 +197,23 @@ class LocalDrafter:
         if self._unit is not None:
             self._unit.cut = True
 
+    def finish(self, now: float, failed: bool = False) -> None:
+        """On the model thread, once the step's pass has ended and its jobs took their
+        logits: rates the step by its own time, from its drafting to the pass's end, not by
+        its cycle to the next step. After a step that ends calls the model thread may wait
+        for the next ones (a round that probes the drafter tier has no decode-ahead), a wait
+        that the cycle charged to the step before it, and drafting steps end calls about
+        three times as often (~2.7 tokens a pass against one, 8-token calls): one
+        exploration read 162 against 417 tokens/s for drafting at one stream where the
+        others read 617-834 against 373-602. Between-call costs come once a call either
+        way, so per token they weigh alike on both modes. A failed pass is not counted."""
+        if self._unit is not None:
+            self._unit.cut |= failed
+        self._observe(now)
+
     def _observe(self, now: float) -> None:
+        """Rates the last step with jobs that may draft (``finish``, or its cycle where a
+        step began before it was finished)."""
         unit, self._unit = self._unit, None
         if unit is None:
             return
