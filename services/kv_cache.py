@@ -174,6 +174,12 @@ class SessionCaches:
     def max_tokens(self) -> int | None:
         return self._max_tokens
 
+    def bound_tokens(self, max_tokens: int) -> None:
+        """Lowers the token budget (a verifier's local draft model takes its share of
+        --kv-budget-mb: verifier_svc/local_drafts.py); sessions at rest past it go."""
+        self._max_tokens = min(max_tokens, self._max_tokens or max_tokens)
+        self._evict()
+
     def _remove(self, session_id: str) -> SessionCache | None:
         entry = self._entries.pop(session_id, None)
         if entry is not None:

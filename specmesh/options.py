@@ -106,7 +106,8 @@ KvBudget = Annotated[int, typer.Option("--kv-budget-mb", envvar="SPECMESH_KV_BUD
                                        help="KV cache memory budget; idle sessions are "
                                             "evicted least recently used first, and on a "
                                             "CPU the KV pool gets no more slots than it "
-                                            "holds (0 = none).")]
+                                            "holds; with --local-drafter it covers the "
+                                            "draft model's caches too (0 = none).")]
 PrefixCacheMb = Annotated[int, typer.Option(
     "--prefix-cache-mb", envvar="SPECMESH_PREFIX_CACHE_MB",
     help="Memory for KV blocks of committed prefixes, reused by sessions that start with the "

@@ -94,6 +94,21 @@ def test_a_local_drafter_of_another_vocabulary_is_refused_with_what_to_fix(tiny_
     assert "8192 tokens against 512" in last, last
 
 
+def test_a_kv_budget_that_holds_the_target_alone_but_not_its_local_drafter_is_refused():
+    """9 MB hold one full context of the demo target (1,024 tokens of 9,216 bytes) but not
+    with the demo drafter's caches beside it (2,048 bytes a token more): one error line that
+    says what to raise, exit code 2, no traceback."""
+    result = subprocess.run([*SPECMESH, "verifier", "--model", str(ROOT / "models/demo-target"),
+                             "--port", "0", "--kv-budget-mb", "9",
+                             "--local-drafter", str(ROOT / "models/demo-drafter")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --kv-budget-mb 9 holds 837 tokens"), last
+    assert "--local-drafter" in last and last.endswith("raise it"), last
+
+
 def _options():
     for name, command in typer.main.get_command(app).commands.items():
         for param in command.params:

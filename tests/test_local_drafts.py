@@ -431,3 +431,58 @@ def test_a_step_is_rated_by_its_own_time_not_by_the_wait_for_the_next_calls():
     local.finish(0.504, failed=True)
     assert switch._busy_s[False] == pytest.approx(0.004) and switch._tokens[False] == 2
     assert switch._count == {True: 0, False: 1} and local.uncounted == 1
+
+
+def test_the_kv_budget_covers_the_draft_models_caches_too(tiny_pair):
+    """``--kv-budget-mb`` bounds the target's caches and the local draft model's together:
+    both to the budget over the two models' bytes a token, and each pool to the full slots
+    that holds; a budget too small for one full-context session in both is refused."""
+    from services.errors import StartupError
+    from services.model_service import build_parts
+    from services.models import kv_bytes_per_token
+    from verifier_svc.local_drafts import share_budget
+
+    def parts(budget_mb: int, pair=tiny_pair):
+        config = ModelServiceConfig(server=ServerConfig(port=1), model=pair[0],
+                                    local_drafter=pair[1], kv_budget_mb=budget_mb)
+        runner, caches = build_parts(config)
+        return config, runner, caches, build_local_drafter(config, runner.meta)
+
+    config, runner, caches, local = parts(4)
+    alone = caches.max_tokens  # (the target's alone: the whole budget)
+    share_budget(config, runner, caches, local)
+    per_token = kv_bytes_per_token(runner.model) + kv_bytes_per_token(local.model)
+    assert caches.max_tokens == local.max_tokens == 4 * 1024 * 1024 // per_token < alone
+    for model in (runner.model, local.model):
+        assert model.pool.max_slots <= local.max_tokens // model.pool.slot_len
+    runner.close()
+    # (the demo pair: whole megabytes that hold one full context of the target's alone but
+    # not of both's; the tiny pair's contexts are a fraction of a megabyte)
+    config, runner, caches, local = parts(64, ("models/demo-target", "models/demo-drafter"))
+    target, draft = kv_bytes_per_token(runner.model), kv_bytes_per_token(local.model)
+    context = runner.meta.max_context
+    smallest = -(-context * target // (1024 * 1024))
+    assert smallest * 1024 * 1024 < context * (target + draft)
+    runner.close()
+    config, runner, caches, local = parts(smallest, ("models/demo-target",
+                                                     "models/demo-drafter"))
+    with pytest.raises(StartupError, match="--kv-budget-mb .* less than one full-context"):
+        share_budget(config, runner, caches, local)
+    runner.close()
+
+
+def test_draft_caches_past_the_token_budget_go_least_recently_drafted_first(tiny_pair,
+                                                                            target_model):
+    """With a token budget (``max_tokens``) the draft caches at rest past it go, the least
+    recently drafted first, never one the step drafts for; the tokens stay HF greedy's."""
+    model, _ = target_model
+    engine = _engine(tiny_pair[0], tiny_pair[1])
+    _always(engine.local)
+    engine.local.max_tokens = 40
+    prompts = _prompts(model.config.vocab_size)
+    for i, p in enumerate(prompts[:3]):
+        assert asyncio.run(_decode(engine, f"s{i}", p, 16)) == hf_greedy(model, p, 16)
+        held = {s: len(e.tokens) for s, e in engine.local.caches.items()}
+        assert f"s{i}" in held  # (the one drafting now stays, whatever it holds)
+        assert sum(held.values()) <= 40 or list(held) == [f"s{i}"]
+    assert list(engine.local.caches) == ["s2"]  # each session's ~28 tokens: one fits

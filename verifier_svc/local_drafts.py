@@ -114,6 +114,7 @@ class LocalDrafter:
             raise ValueError(f"local draft tokens must be >= 1, got {k}")
         self.model, self.device, self.new_cache, self.k = model, device, new_cache, k
         self.step_sessions = step_sessions  # steps of more sessions do not draft
+        self.max_tokens: int | None = None  # tokens the caches hold at most (--kv-budget-mb)
         self.max_sessions = max_sessions
         self._epoch_s, self._min_steps = epoch_s, min_steps
         self.caches: OrderedDict[str, SessionCache] = OrderedDict()  # the model thread's
@@ -263,6 +264,18 @@ class LocalDrafter:
         for (job, _), drawn in zip(wanting, drafts, strict=True):
             job.local = _sparse(drawn)
             self.drafted += len(drawn)
+        self._trim({job.session_id for job, _ in wanting})
+
+    def _trim(self, keep: set[str]) -> None:
+        """Drops the least recently drafted caches, other than ``keep``'s, while the caches
+        hold more than ``max_tokens`` tokens (a dropped one is fed again when next needed)."""
+        if self.max_tokens is None:
+            return
+        held = sum(len(entry.tokens) for entry in self.caches.values())
+        for session_id in [s for s in self.caches if s not in keep]:
+            if held <= self.max_tokens:
+                break
+            held -= len(self.caches.pop(session_id).tokens)
 
     def _greedy(self, live: list[int], rows: list[Row], wanting: list[tuple[Any, int]],
                 feeds: list, drafts: list[list]) -> bool:
@@ -323,6 +336,34 @@ def build_local_drafter(config, target_meta) -> LocalDrafter | None:
              config.local_draft_sessions, config.local_draft_tokens, config.local_drafter)
     return LocalDrafter(model, device, own, config.local_draft_tokens, config.max_sessions,
                         step_sessions=config.local_draft_sessions)
+
+
+def share_budget(config, runner, caches, local: LocalDrafter | None) -> None:
+    """``--kv-budget-mb`` covers the target's caches and the local draft model's together: a
+    session's cache in each holds about its tokens, so both are bounded to the budget over
+    the two models' bytes a token (the target's alone had the whole budget, the draft
+    model's caches none: a 1B drafter beside a 70B target holds ~1/10 of its bytes). A
+    budget too small for one full-context session in both is refused (StartupError)."""
+    if local is None or not config.kv_budget_mb:
+        return
+    from services.errors import StartupError
+    from services.models import kv_bytes_per_token
+
+    target = runner.model
+    per_token = kv_bytes_per_token(target) + kv_bytes_per_token(local.model)
+    max_tokens = config.kv_budget_mb * 1024 * 1024 // per_token
+    context = runner.meta.max_context
+    if max_tokens < context:
+        raise StartupError(
+            f"--kv-budget-mb {config.kv_budget_mb} holds {max_tokens} tokens of the target's "
+            f"and --local-drafter's caches together, less than one full-context session "
+            f"({context} tokens of {per_token} bytes): raise it")
+    caches.bound_tokens(max_tokens)
+    local.max_tokens = max_tokens
+    for model in (target, local.model):
+        pool = getattr(model, "pool", None)
+        if pool is not None:
+            pool.bound(min(config.max_sessions, max_tokens // pool.slot_len))
 
 
 def _sparse(drawn: list[tuple[int, list[int], list[float]]]) -> SparseDraft:

@@ -13,7 +13,7 @@ from services.server import check_server_ports
 from services.telemetry import TelemetryConfig, setup
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.engine import VerifierEngine
-from verifier_svc.local_drafts import build_local_drafter
+from verifier_svc.local_drafts import build_local_drafter, share_budget
 
 
 class VerifierServicer(ModelServiceRpcs, verifier_pb2_grpc.VerifierServicer):
@@ -76,8 +76,10 @@ def run(config: ModelServiceConfig, telemetry_config: TelemetryConfig) -> None:
     check_server_ports(config.server)  # before the model loads: a taken port fails at once
     telemetry = setup(telemetry_config)
     runner, caches = build_parts(config)
+    local = build_local_drafter(config, runner.meta)
+    share_budget(config, runner, caches, local)
     engine = VerifierEngine(runner, caches, config.max_draft_tokens, config.prefill_chunk,
-                            local=build_local_drafter(config, runner.meta))
+                            local=local)
     drain = Drain()
     servicer = VerifierServicer(engine, build_metrics(telemetry, "verifier", engine, config),
                                 drain)
