@@ -123,7 +123,7 @@ class LocalDrafter:
         self._unit: _Unit | None = None
         self.steps = {True: 0, False: 0}  # steps with jobs that may draft: drafted, not
         self.drafted = 0  # draft tokens proposed
-        self.uncounted = 0  # steps that fed a context, left out of the switch's rates
+        self.uncounted = 0  # steps left out of the rates: a context fed, other threads, failed
         self.fused = 0  # drafting steps whose passes (all or all but the first) ran as one
 
     @staticmethod
