@@ -486,3 +486,19 @@ def test_draft_caches_past_the_token_budget_go_least_recently_drafted_first(tiny
         assert f"s{i}" in held  # (the one drafting now stays, whatever it holds)
         assert sum(held.values()) <= 40 or list(held) == [f"s{i}"]
     assert list(engine.local.caches) == ["s2"]  # each session's ~28 tokens: one fits
+
+
+def test_draws_become_the_acceptance_rules_sparse_drafts():
+    """Local draws as the acceptance rule takes them: ids [k], supports [k, S] zero-padded,
+    q over them; greedy draws (one token each, q = 1) and sampled ones of several tokens."""
+    from verifier_svc.local_drafts import _sparse
+
+    greedy = _sparse([(5, [5], [1.0]), (7, [7], [1.0]), (9, [9], [1.0])])
+    assert greedy.token_ids.tolist() == [5, 7, 9] and greedy.token_ids.dtype == torch.long
+    assert greedy.q_ids.tolist() == [[5], [7], [9]] and greedy.q_ids.dtype == torch.long
+    assert greedy.q_probs.tolist() == [[1.0], [1.0], [1.0]]
+    assert greedy.q_probs.dtype == torch.float32
+    sampled = _sparse([(6, [5, 6], [0.75, 0.25]), (7, [7], [1.0])])
+    assert sampled.token_ids.tolist() == [6, 7]
+    assert sampled.q_ids.tolist() == [[5, 6], [7, 0]]
+    assert sampled.q_probs.tolist() == [[0.75, 0.25], [1.0, 0.0]]

@@ -371,6 +371,11 @@ def _sparse(drawn: list[tuple[int, list[int], list[float]]]) -> SparseDraft:
     [k, S] (zero-padded)."""
     k = len(drawn)
     width = max(len(ids) for _, ids, _ in drawn)
+    if width == 1:  # (greedy: each q is one token's; 3 tensors, not 3 + 2k: ~43 us a step)
+        return SparseDraft(token_ids=torch.tensor([t for t, _, _ in drawn], dtype=torch.long),
+                           q_ids=torch.tensor([ids for _, ids, _ in drawn], dtype=torch.long),
+                           q_probs=torch.tensor([probs for _, _, probs in drawn],
+                                                dtype=torch.float32))
     q_ids = torch.zeros(k, width, dtype=torch.long)  # [k, S]
     q_probs = torch.zeros(k, width)  # [k, S]
     for i, (_, ids, probs) in enumerate(drawn):
