@@ -16,7 +16,7 @@ from opentelemetry import trace
 from services.call_stream import Drain
 from services.config import ModelServiceConfig
 from services.convert import meta_to_pb, stats_to_pb
-from services.errors import InvalidArgument, ResyncRequired, grpc_errors
+from services.errors import InvalidArgument, ResyncRequired, StartupError, grpc_errors
 from services.kv_cache import SessionCaches
 from services.messages import CacheDelta
 from services.metrics import ModelServiceMetrics
@@ -50,23 +50,35 @@ def plain_threads(config: ModelServiceConfig, device: torch.device) -> PlainThre
     return PlainThreads(narrow, config.plain_threads)
 
 
+def budget_tokens(config: ModelServiceConfig, models: Sequence, context: int,
+                  whose: str = "") -> int | None:
+    """The tokens --kv-budget-mb holds of the caches of ``models`` together (a session's
+    cache in each holds about its tokens; None: no budget), each model's KV pool bounded to
+    the slots that many tokens fill (a slot's pages stay with the process once written). A
+    budget that cannot hold one full-context session is refused (StartupError: one line)."""
+    max_tokens = None
+    if config.kv_budget_mb:
+        per_token = sum(kv_bytes_per_token(model) for model in models)
+        max_tokens = config.kv_budget_mb * 1024 * 1024 // per_token
+        if max_tokens < context:
+            raise StartupError(
+                f"--kv-budget-mb {config.kv_budget_mb} holds {max_tokens} tokens{whose}, less "
+                f"than one full-context session ({context} tokens of {per_token} bytes): "
+                "raise it")
+    for model in models:
+        pool = getattr(model, "pool", None)  # the lean forward's KV slots (services/kv_slab.py)
+        if pool is not None:
+            pool.bound(min(config.max_sessions,
+                           max_tokens // pool.slot_len if max_tokens else pool.max_slots))
+    return max_tokens
+
+
 def build_parts(config: ModelServiceConfig) -> tuple[ModelRunner, SessionCaches]:
     model, meta, device = load_for_serving(config.model, config.device, config.dtype,
                                            config.threads, config.forward)
     runner = ModelRunner(model, meta, device, config.max_queue, config.max_batch,
                          config.prefill_threads, plain_threads(config, device))
-    max_tokens = None
-    if config.kv_budget_mb:
-        per_token = kv_bytes_per_token(model)
-        max_tokens = config.kv_budget_mb * 1024 * 1024 // per_token
-        if max_tokens < meta.max_context:
-            raise ValueError(
-                f"--kv-budget-mb {config.kv_budget_mb} holds {max_tokens} tokens, less than one "
-                f"full-context session ({meta.max_context} tokens of {per_token} bytes): raise it")
-    pool = getattr(model, "pool", None)  # the lean forward's KV slots (services/kv_slab.py)
-    if pool is not None:  # a slot's pages stay with the process once written: count them
-        pool.bound(min(config.max_sessions,
-                       max_tokens // pool.slot_len if max_tokens else pool.max_slots))
+    max_tokens = budget_tokens(config, [model], meta.max_context)
     per_block = kv_bytes_per_token(model) * config.prefix_block
     prefix = PrefixCache(config.prefix_block, config.prefix_cache_mb * 1024 * 1024 // per_block)
     return runner, SessionCaches(config.max_sessions, runner.new_kv, max_tokens, prefix)

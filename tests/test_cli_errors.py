@@ -94,19 +94,23 @@ def test_a_local_drafter_of_another_vocabulary_is_refused_with_what_to_fix(tiny_
     assert "8192 tokens against 512" in last, last
 
 
-def test_a_kv_budget_that_holds_the_target_alone_but_not_its_local_drafter_is_refused():
-    """9 MB hold one full context of the demo target (1,024 tokens of 9,216 bytes) but not
-    with the demo drafter's caches beside it (2,048 bytes a token more): one error line that
+@pytest.mark.parametrize("budget, drafter, says", [
+    ("1", (), "error: --kv-budget-mb 1 holds 113 tokens, less than one full-context"),
+    ("9", ("--local-drafter", str(ROOT / "models/demo-drafter")),
+     "error: --kv-budget-mb 9 holds 837 tokens of the target's and --local-drafter's caches"),
+], ids=["target", "target-and-local-drafter"])
+def test_a_kv_budget_short_of_one_full_context_is_refused_in_one_line(budget, drafter, says):
+    """1 MB holds 113 of the demo target's 9,216-byte tokens, short of its 1,024-token
+    context; 9 MB hold one full context of the target's alone but not with the demo
+    drafter's caches beside it (2,048 bytes a token more). Either way: one error line that
     says what to raise, exit code 2, no traceback."""
     result = subprocess.run([*SPECMESH, "verifier", "--model", str(ROOT / "models/demo-target"),
-                             "--port", "0", "--kv-budget-mb", "9",
-                             "--local-drafter", str(ROOT / "models/demo-drafter")],
+                             "--port", "0", "--kv-budget-mb", budget, *drafter],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --kv-budget-mb 9 holds 837 tokens"), last
-    assert "--local-drafter" in last and last.endswith("raise it"), last
+    assert last.startswith(says) and last.endswith("raise it"), last
 
 
 def _options():

@@ -339,31 +339,18 @@ def build_local_drafter(config, target_meta) -> LocalDrafter | None:
 
 
 def share_budget(config, runner, caches, local: LocalDrafter | None) -> None:
-    """``--kv-budget-mb`` covers the target's caches and the local draft model's together: a
-    session's cache in each holds about its tokens, so both are bounded to the budget over
-    the two models' bytes a token (the target's alone had the whole budget, the draft
-    model's caches none: a 1B drafter beside a 70B target holds ~1/10 of its bytes). A
-    budget too small for one full-context session in both is refused (StartupError)."""
+    """``--kv-budget-mb`` covers the target's caches and the local draft model's together
+    (services/model_service.py ``budget_tokens``): both are bounded to the budget over the
+    two models' bytes a token (the target's alone had the whole budget, the draft model's
+    caches none: a 1B drafter beside a 70B target holds ~1/10 of its bytes)."""
     if local is None or not config.kv_budget_mb:
         return
-    from services.errors import StartupError
-    from services.models import kv_bytes_per_token
+    from services.model_service import budget_tokens
 
-    target = runner.model
-    per_token = kv_bytes_per_token(target) + kv_bytes_per_token(local.model)
-    max_tokens = config.kv_budget_mb * 1024 * 1024 // per_token
-    context = runner.meta.max_context
-    if max_tokens < context:
-        raise StartupError(
-            f"--kv-budget-mb {config.kv_budget_mb} holds {max_tokens} tokens of the target's "
-            f"and --local-drafter's caches together, less than one full-context session "
-            f"({context} tokens of {per_token} bytes): raise it")
+    max_tokens = budget_tokens(config, [runner.model, local.model], runner.meta.max_context,
+                               " of the target's and --local-drafter's caches together")
     caches.bound_tokens(max_tokens)
     local.max_tokens = max_tokens
-    for model in (target, local.model):
-        pool = getattr(model, "pool", None)
-        if pool is not None:
-            pool.bound(min(config.max_sessions, max_tokens // pool.slot_len))
 
 
 def _sparse(drawn: list[tuple[int, list[int], list[float]]]) -> SparseDraft:
