@@ -194,7 +194,7 @@ class LocalDrafter:
         thread switch explores: services/plain_threads.py): not what either mode costs where
         the threads are kept, so not counted. (One exploring beside the other had this
         switch read a one-stream drafting rate of 261 against 618 tokens/s where others
-        read 683-815 against 519-591, and stop drafting.)"""
+        read 683-815 against 441-591, and stop drafting.)"""
         if self._unit is not None:
             self._unit.cut = True
 
