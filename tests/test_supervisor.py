@@ -26,11 +26,21 @@ def _wait_for_children(up: subprocess.Popen, names: tuple[str, ...], timeout: fl
     while time.monotonic() < deadline:
         assert up.poll() is None, up.stderr.read()
         children = psutil.Process(up.pid).children(recursive=True)
-        lines = [" ".join(c.cmdline()) for c in children if c.is_running()]
+        lines = [_cmdline(c) for c in children]
         if all(any(name in line for line in lines) for name in names):
             return children
         time.sleep(0.05)
     raise AssertionError(f"{names} never all started")
+
+
+def _cmdline(child: psutil.Process) -> str:
+    """A child's command line, "" once it has exited: a short-lived one (the kernel
+    library's compiler on a fresh cache) may end, or be a zombie, between the listing and
+    the read (a full suite once failed on psutil.ZombieProcess there)."""
+    try:
+        return " ".join(child.cmdline())
+    except psutil.NoSuchProcess:  # (ZombieProcess is one)
+        return ""
 
 
 def _alive(children) -> list:
