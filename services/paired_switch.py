@@ -91,9 +91,10 @@ class PairedSwitch:
             self._end_epoch()
             self._begin(now)
         elif self._losing(now):
+            confirms = not self._kept  # (the mode that is on was not kept before either)
             self._end_epoch()
-            # it lost by a wide margin: the next exploration comes as late as any
-            self._every = self.max_explore
+            if confirms:  # it lost again, widely: the next exploration comes as late as any
+                self._every = self.max_explore
             self._begin(now)
         self._last = now
         # (the Thue-Morse order: each mode half of every aligned run of 2^k units)
@@ -120,7 +121,12 @@ class PairedSwitch:
         it lost by a wide margin, and the rest of the epoch would only cost more (a
         verifier's local drafts at 16 streams served about half as much:
         verifier_svc/local_drafts.py). The next exploration then comes after
-        ``max_explore`` epochs."""
+        ``max_explore`` epochs where the mode that is off was kept before it (the loss
+        confirms it), and after ``first_explore`` where the mode that is on was: a quarter
+        epoch is a few units of each mode, and one such read, 217 against 311 tokens/s for
+        a verifier's local drafts at one stream where the exploration before had read 652
+        against 378, kept drafting off for the rest of a bench's one-stream cells
+        (docs/performance.md, 2026-11-29)."""
         if not self._exploring or not self.cut_below or now - self._start < self.epoch_s / 4:
             return False
         if not self._enough():

@@ -160,3 +160,27 @@ def test_an_exploration_the_mode_on_loses_widely_ends_after_a_quarter_epoch(gain
     plain = PairedSwitch(epoch_s=1.0, min_rounds=16)  # cut_below 0: never cut
     _serve(plain, 0.5, lambda t: 1.0, seconds=0.6)
     assert not plain.rate
+
+
+def test_a_wide_loss_of_the_kept_mode_is_explored_again_soon():
+    """A cut exploration delays the next one to ``max_explore`` epochs only where the mode
+    that is on was not kept before it (the loss confirms). Where it was kept (it won the
+    exploration before), the cut stops it and the next exploration comes after
+    ``first_explore`` epochs, as after any change: one quarter-epoch read of a few units
+    must not stop a mode that won for 16 epochs (a verifier's local drafts at one stream,
+    services/paired_switch.py ``_losing``)."""
+    switch = PairedSwitch(epoch_s=1.0, min_rounds=16, cut_below=0.7)
+    _serve(switch, 1.5, lambda t: 1.0, seconds=1.05)  # the first exploration: on wins
+    assert switch.incumbent and switch.rate[True] > 1.4 * switch.rate[False]
+    t, explorations = 1.05, []
+    while len(explorations) < 2 and t < 60.0:  # from now on the mode that is on loses widely
+        before = dict(switch.rate)
+        _serve(switch, 0.5, lambda t: 1.0, seconds=0.05, start=t)
+        t += 0.05
+        if switch.rate != before:
+            explorations.append((t, switch.incumbent, switch._every))
+    (first_at, kept, every), (second_at, kept2, every2) = explorations
+    assert kept is False and every == switch.first_explore, "stopped, tried again soon"
+    # the second comes after first_explore epochs of the kept mode (~2-3 s), not 16
+    assert second_at - first_at < 4.0, explorations
+    assert kept2 is False and every2 == switch.max_explore, "the loss confirmed: as late as any"

@@ -36,11 +36,12 @@ counted, nor one that feeds a prompt, or a session's context to the draft model 
 drafting step): a cost that comes once a session, which an exploration would see on every
 session that starts in it (a fresh `specmesh up`'s first exploration, over its first
 requests, read 297 against 431 tokens/s for drafting). An exploration in which the drafting
-steps serve less than ``CUT_BELOW`` of the others ends after a quarter of an epoch, and the
-next one comes 16 epochs later: under load, where drafts lose by about half, an
-exploration's drafting steps are the cost (at 16 streams in the mesh a defaults cell's
-passes ran 10-14% longer than target-only's with explorations of whole epochs every 2, 4, 8
-... epochs).
+steps serve less than ``CUT_BELOW`` of the others ends after a quarter of an epoch, and
+where drafting was not kept before it the next one comes 16 epochs later: under load, where
+drafts lose by about half, an exploration's drafting steps are the cost (at 16 streams in
+the mesh a defaults cell's passes ran 10-14% longer than target-only's with explorations of
+whole epochs every 2, 4, 8 ... epochs). Where drafting was kept, such a loss stops it and the
+next exploration comes as after any change (services/paired_switch.py ``_losing``).
 
 The draft model's caches are this module's, one per session, kept in step with the
 target's by the tokens alone: before drafting, a session's cache is cropped to the longest
