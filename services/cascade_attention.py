@@ -70,6 +70,32 @@ DENSE_MIN = 16  # queries per key head from which a shared prefix is attended by
 #                thread: 16 sessions, 32 queries a head, 5% shorter; 8 sessions 3%; 4, 3% longer)
 
 
+def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, sizes: Sequence[int],
+                   pooled: set[int], group: int, uniform: bool, segment: int
+                   ) -> list[tuple[list[int], int]]:
+    """The groups of ``shared`` ((row indices, P): rows whose caches begin with the same P
+    positions) whose rows attend that prefix once, in the prefix kernel
+    (``prefix_attention``). A group only when it fills one of the kernel's blocks of queries
+    (``PREFIX_MIN_QUERIES`` a key head, ``group`` query heads each: a smaller one pays for a
+    whole block over the prefix); and where the pass could otherwise run its layers in one
+    operator (every row pooled, ``pooled``, all of one size that runs so, ``uniform``), the
+    groups only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (``sizes``:
+    each row's new tokens; a group keeps the whole pass in the layer-by-layer path), unless
+    one group holds every row and they are in one segment (``segment`` slots each): the pass
+    then runs as one operator with the prefix attended in it, which paid even where little
+    is shared (16 demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a pass on
+    two threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29)."""
+    groups = [(idx, p) for idx, p in shared
+              if sum(sizes[b] for b in idx) * group >= PREFIX_MIN_QUERIES]
+    if not groups or len(pooled) < len(rows) or not uniform:
+        return groups  # (the rule covers passes of pooled rows of one size only)
+    if (len(groups) == 1 and len(groups[0][0]) == len(rows)
+            and len({rows[b].kv.slot // segment for b in pooled}) == 1):
+        return groups  # one group of every row in one segment: still one operator
+    saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
+    return groups if saved >= SHARED_MIN_SAVED * sum(sizes) else []
+
+
 def dense_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries q [B, KV, n, D] over all of keys/values [B, KV, L, D], no mask,

@@ -238,30 +238,13 @@ class LeanLlama(torch.nn.Module):
 
     def _cascades(self, shared: list[tuple[list[int], int]], rows, sizes: list[int],
                   pooled: set[int]) -> list[tuple[list[int], int]]:
-        """The groups of ``shared`` whose rows attend their shared prefix once (cascade
-        attention). With the prefix kernel: a group only when it fills one of the kernel's
-        blocks of queries (``cascade_attention.PREFIX_MIN_QUERIES`` a key head: a smaller
-        one pays for a whole block over the prefix); and where the pass could otherwise run
-        its layers in one operator (every row pooled, all of one size: ``_uniform``), the
-        groups only when they save ``cascade_attention.SHARED_MIN_SAVED`` positions a token
-        of the pass (a group keeps the whole pass in the layer-by-layer path), unless one
-        group holds every row and they are in one segment: the pass then runs as one operator
-        with the prefix attended in it, which paid even where little is shared (16
-        demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a pass on two
-        threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29)."""
+        """The groups of ``shared`` whose rows attend their shared prefix once
+        (``cascade_attention.cascade_groups`` has the rule)."""
         if not self.kernel_prefix:
             return list(shared)
-        G = self._heads // self._kv_heads
-        groups = [(idx, p) for idx, p in shared
-                  if sum(sizes[b] for b in idx) * G >= cascade_attention.PREFIX_MIN_QUERIES]
-        if (not groups or len(pooled) < len(rows) or len(set(sizes)) > 1
-                or not self._uniform(sizes[0])):
-            return groups  # (the rule covers passes of pooled rows of one size only)
-        if (len(groups) == 1 and len(groups[0][0]) == len(rows)
-                and len({rows[b].kv.slot // self.pool.segment for b in pooled}) == 1):
-            return groups  # one group of every row in one segment: still one operator
-        saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
-        return groups if saved >= cascade_attention.SHARED_MIN_SAVED * sum(sizes) else []
+        return cascade_attention.cascade_groups(
+            shared, rows, sizes, pooled, self._heads // self._kv_heads,
+            self._uniform(sizes[0]) if len(set(sizes)) == 1 else False, self.pool.segment)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., V] of x [..., h]."""
