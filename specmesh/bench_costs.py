@@ -85,13 +85,16 @@ def cache_hit(used: float | None, dropped: float | None, none: float | None) -> 
 
 def gateway_figures(gateway: dict | None) -> dict:
     """A cell's gateway figures from its Prometheus deltas (``ServiceProbe.delta``'s "gateway"):
-    ``cache_hit``, ``fanout`` (mean branches per prepared speculation tree) and
-    ``gateway_ms_per_round`` (the gateway's orchestration time per round); None where a series
-    is absent or counted nothing."""
+    ``cache_hit`` and ``cache_rounds`` (the drafter-tier drafting rounds it counts),
+    ``fanout`` (mean branches per prepared speculation tree) and ``gateway_ms_per_round`` (the
+    gateway's orchestration time per round); None where a series is absent or counted
+    nothing."""
     g = gateway or {}
     gateway_s = ratio(g.get("gateway_s"), g.get("gateway_count"))
-    return {"cache_hit": cache_hit(g.get("pipeline_used"), g.get("pipeline_dropped"),
-                                   g.get("pipeline_none")),
+    counts = [g.get(f"pipeline_{x}") for x in ("used", "dropped", "none")]
+    return {"cache_hit": cache_hit(*counts),
+            "cache_rounds": (None if all(x is None for x in counts)
+                             else sum(x or 0.0 for x in counts)),
             "fanout": ratio(g.get("fanout_sum"), g.get("fanout_count")),
             "gateway_ms_per_round": None if gateway_s is None else gateway_s * 1000.0}
 

@@ -279,8 +279,11 @@ def baseline_lines(report: dict) -> list[str]:
 
 def target_cells(t: dict, labels: dict[str, str]) -> list[str]:
     mark = {True: "pass", False: "**fail**", None: "n/a"}[t["passed"]]
+    value = fmt(t["value"], ".3f")
+    if t.get("basis") and t["value"] is not None:
+        value += f" ({t['basis']})"
     return [labels.get(t["mode"], t["mode"]), t["what"], f"{t['comparison']} {t['threshold']:g}",
-            fmt(t["value"], ".3f"), mark]
+            value, mark]
 
 
 def _md_table(header, rows: list[list[str]], left: int = 1) -> list[str]:

@@ -22,7 +22,7 @@ from specmesh.bench_modes import (
     hf_threads_note,
     make_modes,
 )
-from specmesh.bench_report import row_cells, run_notes
+from specmesh.bench_report import row_cells, run_notes, target_cells
 
 
 def _row(mode: str, c: int, tps: float | None, **extra) -> dict:
@@ -175,8 +175,9 @@ def test_gateway_figures_are_na_for_missing_series():
     today = {"pipeline_used": 8.0, "pipeline_dropped": 1.0, "pipeline_none": None,
              "gateway_s": None, "gateway_count": None, "fanout_sum": None, "fanout_count": None}
     g = gateway_figures(today)
-    assert g == {"cache_hit": pytest.approx(8 / 9), "fanout": None, "gateway_ms_per_round": None}
-    assert gateway_figures(None) == {"cache_hit": None, "fanout": None,
+    assert g == {"cache_hit": pytest.approx(8 / 9), "cache_rounds": 9.0, "fanout": None,
+                 "gateway_ms_per_round": None}
+    assert gateway_figures(None) == {"cache_hit": None, "cache_rounds": None, "fanout": None,
                                      "gateway_ms_per_round": None}
     # exported but nothing recorded in the cell (deltas of 0)
     assert gateway_figures({"fanout_sum": 0.0, "fanout_count": 0.0, "gateway_s": 0.0,
@@ -267,3 +268,23 @@ def test_the_notes_say_what_is_na_and_why():
     notes = run_notes(report)
     assert not any(n.startswith("CPU ms/token is measured over") for n in notes)
     assert any(n.startswith("CPU ms/token: CPU seconds (user + system)") for n in notes)
+
+
+def test_the_cache_hit_target_says_how_many_rounds_it_stands_on():
+    """The speculation cache's hit rate at one stream is a rate over the drafter tier's
+    drafting rounds, which under the defaults are the gateway's few probes among hundreds
+    of plain rounds: the target's row says how many of how many (console and bench.md), so
+    a fail over 8 rounds reads as what it is."""
+    rows = [_row("target", 1, 40.0, outputs_match=True),
+            _row("default", 1, 60.0, outputs_match=True, cache_hit=0.5, cache_rounds=8.0,
+                 rounds=281),
+            _row("model", 1, 50.0, outputs_match=True, cache_hit=None, cache_rounds=None,
+                 rounds=120)]
+    got = {(t["mode"], t["key"]): t for t in targets(rows)}
+    hit = got[("default", "cache_hit")]
+    assert (hit["value"], hit["passed"], hit["basis"]) == (0.5, False, "8 drafting rounds of 281")
+    assert got[("model", "cache_hit")]["basis"] == ""  # nothing counted: nothing to say
+    assert got[("default", "scaling")]["basis"] == ""  # only the cache's rate has one
+    cells = target_cells(hit, {"default": "SpecMesh (gateway defaults)"})
+    assert cells[3] == "0.500 (8 drafting rounds of 281)" and cells[4] == "**fail**"
+    assert target_cells(got[("model", "cache_hit")], {})[3] == "n/a"
