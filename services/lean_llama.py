@@ -240,7 +240,7 @@ class LeanLlama(torch.nn.Module):
                   pooled: set[int]) -> list[tuple[list[int], int]]:
         """The groups of ``shared`` whose rows attend their shared prefix once
         (``cascade_attention.cascade_groups`` has the rule)."""
-        if not self.kernel_prefix:
+        if not self.kernel_prefix or not shared:  # (most passes share nothing)
             return list(shared)
         return cascade_attention.cascade_groups(
             shared, rows, sizes, pooled, self._heads // self._kv_heads,
