@@ -27,6 +27,14 @@ mode. Between explorations the kept mode runs; the next exploration comes after
 The first epoch explores. A tie goes to the mode that is off, the cheaper one; with
 ``on_margin`` above 1 the mode that is on is taken only when it serves that factor more, and
 once kept it stays until the mode that is off serves more (a band against noise).
+
+With ``recheck`` the kept mode is measured between explorations too, and an epoch in which it
+serves less than the other mode served at the last exploration calls the next exploration at
+once: the work changed under the switch. A verifier's local drafts, kept at one stream on
+short prompts (drafting 878 against 544 tokens/s), went on drafting through a bench's
+long-prompt cells, where the drafts were accepted a third as often, for 0.84x target-only:
+by then explorations came every 16 epochs, after the cells had ended (docs/performance.md,
+2026-11-29).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ class PairedSwitch:
     on_margin: float = 1.0  # the mode that is on must serve this factor more to be taken
     cut_below: float = 0.0  # an exploration whose mode that is on serves less than this share
     #                         of the other's after a quarter of an epoch ends there (0: never)
+    recheck: bool = False  # an epoch of the kept mode serving less than the other mode's
+    #                         last rate calls the next exploration at once
     rate: dict[bool, float] = field(default_factory=dict)  # per mode: the last exploration's
     _kept: bool = False  # the mode run between explorations
     _exploring: bool = True  # this epoch interleaves the modes
@@ -107,8 +117,8 @@ class PairedSwitch:
         """The unit that began at ``started`` (the last one ``mode`` gave) took ``cycle_s`` to
         the next one and yielded ``tokens``; ``cut``: not representative, not counted."""
         # (``_begin`` forgets the last unit: one given in an earlier epoch is not counted)
-        if (not self._exploring or self._issued is None or self._issued[0] != started
-                or cycle_s <= 0 or cut):
+        if (not (self._exploring or self.recheck) or self._issued is None
+                or self._issued[0] != started or cycle_s <= 0 or cut):
             return
         mode = self._issued[1]
         self._tokens[mode] += tokens
@@ -140,6 +150,14 @@ class PairedSwitch:
             return min(self._count.values()) >= max(1, self.min_rounds // 2)
         return self._units >= self.min_rounds
 
+    def _kept_fell(self) -> bool:
+        """``recheck``: this epoch of the kept mode served less than the other mode did at the
+        last exploration."""
+        kept = self._kept
+        if not self.recheck or not self.rate or not self._busy_s[kept]:
+            return False
+        return self._tokens[kept] / self._busy_s[kept] < self.rate[not kept]
+
     def _begin(self, now: float) -> None:
         self._start, self._units, self._issued = now, 0, None
         for mode in (True, False):
@@ -148,7 +166,7 @@ class PairedSwitch:
     def _end_epoch(self) -> None:
         if not self._exploring:
             self._streak += 1
-            if self._streak >= self._every:
+            if self._streak >= self._every or self._kept_fell():
                 self._exploring, self._streak = True, 0
             return
         measured = bool(self.rate)  # (an exploration before this one compared the modes)

@@ -184,3 +184,44 @@ def test_a_wide_loss_of_the_kept_mode_is_explored_again_soon():
     # the second comes after first_explore epochs of the kept mode (~2-3 s), not 16
     assert second_at - first_at < 4.0, explorations
     assert kept2 is False and every2 == switch.max_explore, "the loss confirmed: as late as any"
+
+
+def _explorations(switch, gain: float, speed, start: float, seconds: float) -> list[float]:
+    """Serves as ``_serve`` does, in slices of 50 ms; returns when the explorations ended."""
+    ended, t = [], start
+    while t < start + seconds:
+        before = dict(switch.rate)
+        _serve(switch, gain, speed, seconds=0.05, start=t)
+        t += 0.05
+        if switch.rate != before:
+            ended.append(t)
+    return ended
+
+
+@pytest.mark.parametrize("recheck", [True, False])
+def test_with_recheck_a_kept_mode_that_falls_below_the_other_is_explored_at_once(recheck):
+    """``recheck``: an epoch in which the kept mode serves less than the other mode served at
+    the last exploration calls the next exploration at once. Here the mode on wins (1.6x)
+    for 40 s, by when explorations come every 16 epochs; then the work changes (the mode on
+    serves 0.8x, and everything runs at 0.7 of the speed: long prompts after short ones for
+    a verifier's local drafts). With recheck the switch stops it within three seconds;
+    without, it runs on until the next scheduled exploration, past the 6 s watched."""
+    switch = PairedSwitch(epoch_s=1.0, min_rounds=16, on_margin=1.05, recheck=recheck)
+    _serve(switch, 1.6, lambda t: 1.0, seconds=40.0)
+    assert switch.incumbent and switch._every == switch.max_explore
+    ended = _explorations(switch, 0.8, lambda t: 0.7, start=40.0, seconds=6.0)
+    if recheck:
+        assert ended and ended[0] < 43.0 and not switch.incumbent, ended
+        assert switch.rate[False] > switch.rate[True]
+    else:
+        assert not ended and switch.incumbent
+
+
+def test_a_slower_machine_alone_does_not_call_an_exploration():
+    """The same switch with recheck where only the machine slows (0.7x) and the mode on
+    still wins: its epochs still serve more than the other mode did at the last
+    exploration, so explorations keep their schedule (none in the 6 s watched)."""
+    switch = PairedSwitch(epoch_s=1.0, min_rounds=16, on_margin=1.05, recheck=True)
+    _serve(switch, 1.6, lambda t: 1.0, seconds=40.0)
+    assert not _explorations(switch, 1.6, lambda t: 0.7, start=40.0, seconds=6.0)
+    assert switch.incumbent

@@ -41,7 +41,10 @@ where drafting was not kept before it the next one comes 16 epochs later: under 
 drafts lose by about half, an exploration's drafting steps are the cost (at 16 streams in
 the mesh a defaults cell's passes ran 10-14% longer than target-only's with explorations of
 whole epochs every 2, 4, 8 ... epochs). Where drafting was kept, such a loss stops it and the
-next exploration comes as after any change (services/paired_switch.py ``_losing``).
+next exploration comes as after any change (services/paired_switch.py ``_losing``). And the
+kept mode is watched between explorations: an epoch of it serving less than the other mode
+did at the last exploration calls the next one at once (``recheck``): the work changed, as
+when long prompts, on which the demo drafts are accepted a third as often, follow short ones.
 
 The draft model's caches are this module's, one per session, kept in step with the
 target's by the tokens alone: before drafting, a session's cache is cropped to the longest
@@ -142,7 +145,7 @@ class LocalDrafter:
         found = self.switches.get(level)
         if found is None:
             settings = dict(epoch_s=self._epoch_s, min_rounds=self._min_steps,
-                            on_margin=MIN_GAIN, cut_below=CUT_BELOW)
+                            on_margin=MIN_GAIN, cut_below=CUT_BELOW, recheck=True)
             kept = {at: s.incumbent for at, s in self.switches.items() if s.rate}
             lost = any(not on for at, on in kept.items() if at < level)
             won = any(on for at, on in kept.items() if at > level)
