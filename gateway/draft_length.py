@@ -34,6 +34,8 @@ from services.config import GatewayConfig
 
 log = logging.getLogger(__name__)
 
+SEED_ROUNDS = 4.0  # a new context level's acceptance counts: the nearest level's, as this many rounds
+
 
 class DraftLength:
     """One per gateway; ``req`` is the engine's per-request state (spec, handle, generated,
@@ -53,7 +55,8 @@ class DraftLength:
         self._load: float | None = None  # requests in flight, averaged over recent rounds
         # per drafter kind, load level and context level
         self.costs: dict[tuple[str, int, int], CostModel] = {}
-        self.acceptance: dict[str, AcceptanceCounts] = {}  # per drafter kind
+        # per drafter kind and context level (``acceptance_of``)
+        self.acceptance: dict[tuple[str, int], AcceptanceCounts] = {}
         self._may_draft = 0  # requests in flight that may draft (``running``/``ended``)
 
     def kind(self, spec) -> str:
@@ -145,7 +148,7 @@ class DraftLength:
                 k, r.draft_ms, r.verify_ms - (r.verify_compute_ms - per_pass),
                 r.draft_compute_ms, per_pass)
         if req.rounds.adaptive is None:  # (an adaptive k feeds the shared counts itself)
-            self.acceptance_of(kind).observe(k, r.num_accepted)
+            self.acceptance_of(kind, len(req.handle.tokens)).observe(k, r.num_accepted)
         else:
             req.rounds.adaptive.observe(k, r.num_accepted)
             log.debug("session %s: k=%d tokens=%d accepted=%d pipeline=%s waited=%.2fms "
@@ -159,10 +162,11 @@ class DraftLength:
         context length: round cycles measured with 8 requests in flight say little about a
         lone request's, those over 100-token contexts little about 900-token ones, and the
         reverse."""
-        key = (kind, load_level(self._inflight()), context_level(len(req.handle.tokens)))
+        tokens = len(req.handle.tokens)
+        key = (kind, load_level(self._inflight()), context_level(tokens))
         model = self.costs.get(key)
         if model is None:
-            model = self.costs[key] = CostModel(acceptance=self.acceptance_of(kind))
+            model = self.costs[key] = CostModel(acceptance=self.acceptance_of(kind, tokens))
         return model
 
     def _switch(self, kind: str, req) -> LoadSwitch:
@@ -230,11 +234,29 @@ class DraftLength:
         costs = self.costs.get((kind, 0, context_level(len(req.handle.tokens))))
         if not k or costs is None or not costs.known:
             return None
-        return best_k(self.acceptance_of(kind).alpha(0.6), costs, k, only=k) > 0
+        return best_k(costs.acceptance.alpha(0.6), costs, k, only=k) > 0
 
-    def acceptance_of(self, kind: str) -> AcceptanceCounts:
-        """The gateway-wide acceptance counts of a drafter kind (all requests' rounds)."""
-        return self.acceptance.setdefault(kind, AcceptanceCounts(decay=0.98))
+    def acceptance_of(self, kind: str, tokens: int) -> AcceptanceCounts:
+        """The gateway-wide acceptance counts of a drafter kind at the context level of
+        ``tokens`` (all requests' rounds there): what a new request's α starts from. Drafts
+        are accepted at different rates behind short and long contexts (the demo drafter's
+        per token: 0.72-0.84 on the bench's short prompts, 0.17-0.27 on 385-820-token ones,
+        docs/performance.md), and one count for all lengths started each long-prompt request
+        drafting, a lead round included, on what short prompts had taught. A level's counts
+        start from the nearest level's, weighed as ``SEED_ROUNDS`` rounds."""
+        level = context_level(tokens)
+        found = self.acceptance.get((kind, level))
+        if found is None:
+            found = self.acceptance[(kind, level)] = AcceptanceCounts(decay=0.98)
+            near = min((key for key in self.acceptance if key[0] == kind and key[1] != level),
+                       key=lambda key: abs(key[1] - level), default=None)
+            if near is not None:
+                source = self.acceptance[near]
+                total = source.successes + source.failures
+                scale = min(1.0, SEED_ROUNDS / total) if total else 0.0
+                found.successes = source.successes * scale
+                found.failures = source.failures * scale
+        return found
 
     def learn_cycle(self, req, kind: str, now: float) -> None:
         """The previous round's whole cycle (its calls, the gateway's commit and streaming,

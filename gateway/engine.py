@@ -303,7 +303,8 @@ class GenerationEngine:
         try:
             with trace.use_span(round_span):
                 plan = RoundPlan(req.spec.params, k, kind, req.seed,
-                                 acceptance=self.k.acceptance_of(kind).alpha(0.7),
+                                 acceptance=self.k.acceptance_of(
+                                     kind, len(req.handle.tokens)).alpha(0.7),
                                  logprobs=req.spec.logprobs, tokens=plain,
                                  ahead=0 if k else self._ahead_tokens(req, plain),
                                  local=_local_drafts(req.spec))

@@ -489,3 +489,48 @@ def test_under_load_no_round_is_said_to_draft_next():
     lone = _draft_length(lambda: 1)
     lone.choose(req, "model", plain=8)  # a lone request's adaptive k, measuring plain first
     assert req.rounds.adaptive is not None and not lone.drafts_next(req)
+
+
+def test_a_request_starts_from_what_requests_at_its_context_length_taught():
+    """The gateway-wide acceptance a new request's α starts from is kept per context level:
+    after a short-prompt request whose drafts were accepted at 0.8 and a long-prompt one at
+    0.15 (a drafter past its training length), the next long-prompt request's first rounds
+    do not draft (a first round that drafts is a lead round: the drafter computes the whole
+    prompt beside the verifier), while the next short-prompt request's draft at once. With one
+    count for all lengths, the long prompt's few probe rounds left it near 0.8 and the next
+    long-prompt request started drafting."""
+    dl, now = _draft_length(lambda: 1), [0.0]
+
+    def request(name: str, context: int) -> _Req:
+        return _Req(GREEDY, SessionHandle(session_id=name, version=0, tokens=[5] * context))
+
+    def good(k):
+        return 10.0 + 1.5 * k
+
+    _rounds(dl, request("short", 100), 0.8, good, 200, now)
+    _rounds(dl, request("long", 900), 0.15, bad, 200, now)
+    long_again = _rounds(dl, request("long again", 900), 0.15, bad, 4, now)
+    short_again = _rounds(dl, request("short again", 100), 0.8, good, 4, now)
+    assert long_again == [0, 0, 0, 0], long_again
+    assert short_again[0] == 3, short_again
+    assert dl.acceptance_of("model", 900).alpha(0.6) < 0.4 < 0.7 < dl.acceptance_of(
+        "model", 100).alpha(0.6)
+
+
+def test_a_new_context_level_starts_from_the_nearest_levels_acceptance_as_a_few_rounds():
+    """A context level no request reached yet starts from the nearest level's counts, scaled
+    to SEED_ROUNDS rounds' worth: it begins where that level is and moves within a few
+    rounds of its own."""
+    from gateway.draft_length import SEED_ROUNDS
+
+    dl = _draft_length(lambda: 1)
+    short = dl.acceptance_of("model", 100)
+    for _ in range(100):
+        short.observe(4, 3)  # α 0.75
+    seeded = dl.acceptance_of("model", 700)
+    assert seeded is not short and seeded.alpha(0.0) == pytest.approx(0.75)
+    assert seeded.successes + seeded.failures == pytest.approx(SEED_ROUNDS)
+    for _ in range(6):
+        seeded.observe(4, 0)  # rejected at once: α there is 0
+    assert seeded.alpha(0.6) < 0.35 and short.alpha(0.6) == pytest.approx(0.75)
+    assert dl.acceptance_of("ngram", 700).alpha(0.6) == 0.6  # another kind: nothing to seed
