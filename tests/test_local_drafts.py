@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from services.batching import PREFILL_ROW
 from services.config import ModelServiceConfig, ServerConfig
 from services.hashing import token_hash
 from services.kv_cache import SessionCaches
@@ -288,11 +289,13 @@ def test_a_new_level_starts_from_what_the_others_keep():
 
 
 @pytest.mark.parametrize("fed_first", [False, True], ids=["short-prompt", "context-fed-first"])
-def test_steps_that_feed_a_context_to_either_model_are_not_counted(tiny_pair, target_model,
-                                                                   fed_first):
-    """The level's switch explores (its first step drafts). A session whose prompt is short
-    has every step counted; one whose first drafting step feeds the draft model 24 tokens of
-    context (an earlier call decoded without local drafts) has that step left out."""
+def test_a_step_feeding_the_draft_model_counts_and_a_prompt_to_the_target_does_not(
+        tiny_pair, target_model, fed_first):
+    """The level's switch explores (its first step drafts). A session's prompt fed to the
+    target (its first call) is left out of the rates: both modes pay it. A drafting step
+    that feeds the draft model 24 tokens of context (an earlier call decoded without local
+    drafts) is counted, with its feed's time: what drafting costs a session (behind long
+    prompts, what loses)."""
     model, _ = target_model
     engine = _engine(tiny_pair[0], tiny_pair[1])
     prompt = _prompts(model.config.vocab_size, (20 if fed_first else 5,))[0]
@@ -310,9 +313,29 @@ def test_steps_that_feed_a_context_to_either_model_are_not_counted(tiny_pair, ta
     switch, steps = engine.local.switches[1], sum(engine.local.steps.values())
     assert switch._exploring and engine.local.steps[True] > 0
     counted = sum(switch._count.values())
-    assert engine.local.uncounted == (1 if fed_first else 0)
+    # a fed prompt (20 tokens to the target in the second call: none, it was fed before;
+    # 5 in the first: under a prompt's size) is the only kind of step left out
+    assert engine.local.uncounted == 0
+    assert switch._count[True] >= 1 and switch._busy_s[True] > 0
     # every step's unit is observed once the next step starts (the last one: maybe not yet)
-    assert steps - 1 <= counted + engine.local.uncounted <= steps
+    assert steps - 1 <= counted <= steps
+
+
+def test_a_step_that_feeds_a_prompt_to_the_target_is_not_counted():
+    """A step carrying a job that feeds the target a prompt (``feeding`` of a prompt's size,
+    PREFILL_ROW tokens or more) is left out of the switch's rates, in either mode."""
+    local = LocalDrafter(model=None, device=torch.device("cpu"), new_cache=list, k=3,
+                         max_sessions=8)
+    switch = local.switches[1] = PairedSwitch(epoch_s=10.0, min_rounds=2)
+    switch.mode(-0.001)  # (the exploration's next two units do not draft)
+    prompt, decoding = _Job(feeding=PREFILL_ROW), _Job()
+    local.prepare([prompt], 0.0)
+    prompt.produced += 1
+    local.prepare([decoding], 0.01)  # observes the prompt's step: not counted
+    assert local.uncounted == 1 and sum(switch._count.values()) == 0
+    decoding.produced += 1
+    local._observe(0.02)  # the decoding step: counted
+    assert local.uncounted == 1 and switch._count == {True: 0, False: 1}
 
 
 @pytest.mark.parametrize("a, b, n", [([], [1, 2], 0), ([1, 2, 3], [1, 2, 3, 4], 3),

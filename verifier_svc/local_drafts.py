@@ -32,10 +32,13 @@ more tokens per second of the steps' own time, drafting included (all of the ste
 sessions' tokens: a longer pass delays them all; ``finish`` says why not their cycles),
 drafting only when it serves ``MIN_GAIN`` times more: it costs the drafter's passes. A
 step whose pass runs on threads its kind does not keep (the thread switch explores) is not
-counted, nor one that feeds a prompt, or a session's context to the draft model (its first
-drafting step): a cost that comes once a session, which an exploration would see on every
-session that starts in it (a fresh `specmesh up`'s first exploration, over its first
-requests, read 297 against 431 tokens/s for drafting). An exploration in which the drafting
+counted, nor one that feeds a prompt to the target (both modes pay it). A drafting step that
+feeds a session's context to the draft model (its first) is counted: that is what drafting
+costs a session, and behind long prompts it is what loses. Left out, drafting read 356
+against 379 tokens/s on the bench's 385-820-token prompts while serving 0.85x target-only
+(a feed of ~800 tokens for each request of 128); the first exploration of a fresh
+`specmesh up` may then read drafting low (297 against 431 tokens/s, cold), and the next one,
+two epochs later, corrects it. An exploration in which the drafting
 steps serve less than ``CUT_BELOW`` of the others ends after a quarter of an epoch, and
 where drafting was not kept before it the next one comes 16 epochs later: under load, where
 drafts lose by about half, an exploration's drafting steps are the cost (at 16 streams in
@@ -93,8 +96,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 @dataclass
 class _Unit:
     """A step that carried jobs that may draft: when it began, its jobs and the tokens each
-    had decoded before it, its switch's level; ``cut``: it fed a prompt (to the target, or a
-    session's context to the draft model), a cost that comes once a session, not counted."""
+    had decoded before it, its switch's level; ``cut``: it fed a prompt to the target, a cost
+    that comes once a session in either mode, not counted."""
 
     started: float
     jobs: list
@@ -247,8 +250,6 @@ class LocalDrafter:
             keep = min(common_prefix(entry.tokens, context), len(context) - 1)
             entry.crop(keep)
             feeds.append((entry, context[keep:]))
-            if len(context) - keep >= PREFILL_ROW:  # (a session's context, not a step's tokens)
-                self._unit.cut = True
             drafts.append([])
         while True:
             live = [i for i, (_, k) in enumerate(wanting) if len(drafts[i]) < k]
