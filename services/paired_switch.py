@@ -80,6 +80,11 @@ class PairedSwitch:
         return switch
 
     @property
+    def exploring(self) -> bool:
+        """Whether the current epoch interleaves the modes."""
+        return self._exploring
+
+    @property
     def incumbent(self) -> bool:
         """The mode kept between explorations."""
         return self._kept

@@ -398,6 +398,7 @@ class _Job:
 
     produced: int = 0
     feeding: int = 1
+    session_id: str = "s"
 
     def wants_drafts(self) -> int:
         return 3
@@ -525,3 +526,37 @@ def test_draws_become_the_acceptance_rules_sparse_drafts():
     assert sampled.token_ids.tolist() == [6, 7]
     assert sampled.q_ids.tolist() == [[5, 6], [7, 0]]
     assert sampled.q_probs.tolist() == [[0.75, 0.25], [1.0, 0.0]]
+
+
+def test_the_gate_holds_back_a_session_whose_drafts_do_not_pay_and_learns_from_steps(
+        tiny_pair, target_model):
+    """Steps of a level that keeps drafting (not exploring) draft only for sessions the gate
+    allows (verifier_svc/draft_gate.py). Told that a drafting step costs three plain ones
+    and that this level's drafts are all rejected, the gate holds a session back: its call
+    decodes one pass a token, none drafted, and still gives HF greedy's tokens. A session
+    the gate knows nothing against drafts, and its steps teach the gate both step times
+    and the level's acceptance."""
+    model, _ = target_model
+    prompt = _prompts(model.config.vocab_size, (9,))[0]
+    want = hf_greedy(model, prompt, 8)
+
+    def decode(engine, session: str) -> list[int]:
+        return asyncio.run(_decode(engine, session, prompt, 8))
+
+    held = _engine(tiny_pair[0], tiny_pair[1])
+    _always(held.local)
+    gate = held.local.gate
+    gate.observe_step(1, False, 0.002)
+    gate.observe_step(1, True, 0.006)
+    for _ in range(20):
+        gate.observe_drafts("earlier", 1, 3, 0)
+    assert decode(held, "s") == want
+    assert held.local.drafted == 0 and held.local.held_back > 0
+    assert held.stats.forward_passes >= 8
+
+    free = _engine(tiny_pair[0], tiny_pair[1])
+    _always(free.local)
+    assert decode(free, "s") == want
+    gate = free.local.gate
+    assert free.local.drafted > 0 and free.local.held_back == 0
+    assert (1, True) in gate._step_s and gate._levels[1].successes + gate._levels[1].failures > 0

@@ -61,7 +61,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,6 +70,7 @@ from services.batching import PREFILL_ROW, Row, forward_rows
 from services.kv_cache import SessionCache
 from services.paired_switch import PairedSwitch
 from services.sampling import SparseDraft, sparse_draft_sample_rows, warp_logits
+from verifier_svc.draft_gate import DraftGate
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ class _Unit:
     before: list[int]
     level: int
     cut: bool = False
+    drafted: bool = False  # some of its jobs drafted
+    fed: bool = False  # it fed a session's context to the draft model
+    local_before: list[tuple[int, int]] = field(default_factory=list)  # per job: drafted, accepted
 
 
 class LocalDrafter:
@@ -132,6 +136,8 @@ class LocalDrafter:
         self.drafted = 0  # draft tokens proposed
         self.uncounted = 0  # steps left out of the rates: a context fed, other threads, failed
         self.fused = 0  # drafting steps whose passes (all or all but the first) ran as one
+        self.gate = DraftGate(max_sessions=max_sessions)  # which sessions of a step draft
+        self.held_back = 0  # sessions the gate kept from drafting in a drafting step
 
     @staticmethod
     def level(jobs: int) -> int:
@@ -166,7 +172,9 @@ class LocalDrafter:
         carried jobs that may draft, then, if this one carries some and its level's switch
         drafts, gives each of them its drafts (``job.local``)."""
         while self._released:
-            self.caches.pop(self._released.pop(), None)
+            released = self._released.pop()
+            self.caches.pop(released, None)
+            self.gate.release(released)
         self._observe(now)
         if len(jobs) > self.step_sessions:
             return
@@ -179,7 +187,9 @@ class LocalDrafter:
         on = switch.mode(now)
         counted = [job for job in jobs if hasattr(job, "produced")]
         prompt = any(getattr(job, "feeding", 1) >= PREFILL_ROW for job in jobs)
-        self._unit = _Unit(now, counted, [job.produced for job in counted], level, prompt)
+        self._unit = _Unit(now, counted, [job.produced for job in counted], level, prompt,
+                           local_before=[(getattr(job, "local_drafted", 0),
+                                          getattr(job, "local_accepted", 0)) for job in counted])
         if switch.kept_changed():
             low = 1 << (level - 1)
             log.info("plain rounds of %d-%d sessions a step now %s (tokens per second: "
@@ -187,7 +197,13 @@ class LocalDrafter:
                      "draft locally" if switch.incumbent else "do not draft",
                      switch.rate[True], switch.rate[False])
         self.steps[on] += 1
-        if on:
+        if on and not switch.exploring:  # (an exploration's drafting steps measure drafting)
+            drafting = [(job, k) for job, k in wanting
+                        if self.gate.allows(job.session_id, level, k)]
+            self.held_back += len(wanting) - len(drafting)
+            wanting = drafting
+        if on and wanting:
+            self._unit.drafted = True
             try:
                 self._draft(wanting)
             except Exception:  # noqa: BLE001 - drafts are optional: the step runs without
@@ -229,6 +245,12 @@ class LocalDrafter:
                      for job, before in zip(unit.jobs, unit.before, strict=True))
         self.uncounted += unit.cut
         self.switch(unit.level).observe(unit.started, now - unit.started, tokens, unit.cut)
+        if not (unit.cut or unit.fed):
+            self.gate.observe_step(unit.level, unit.drafted, now - unit.started)
+        for job, (drafted, accepted) in zip(unit.jobs, unit.local_before, strict=True):
+            if (verified := getattr(job, "local_drafted", 0) - drafted) > 0:
+                self.gate.observe_drafts(job.session_id, unit.level, verified,
+                                         job.local_accepted - accepted)
 
     def _entry(self, session_id: str) -> SessionCache:
         entry = self.caches.get(session_id)
@@ -250,6 +272,8 @@ class LocalDrafter:
             keep = min(common_prefix(entry.tokens, context), len(context) - 1)
             entry.crop(keep)
             feeds.append((entry, context[keep:]))
+            if len(context) - keep >= PREFILL_ROW:  # (a session's context, not a step's tokens)
+                self._unit.fed = True
             drafts.append([])
         while True:
             live = [i for i, (_, k) in enumerate(wanting) if len(drafts[i]) < k]
