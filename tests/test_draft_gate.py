@@ -76,3 +76,28 @@ def test_the_counts_kept_are_bounded():
     for name in ("a", "b", "c"):
         gate.observe_drafts(name, 1, 3, 1)
     assert list(gate._sessions) == ["b", "c"]
+
+
+def test_a_session_held_back_drafts_every_probe_every_steps_and_resumes_when_they_pay():
+    """Held back ``probe_every`` steps in a row, a session drafts the next (a probe); once
+    its drafts are accepted again it drafts every step."""
+    gate = DraftGate(probe_every=4)
+    _timed(gate, 1, 0.003, 0.006)
+    for _ in range(10):
+        gate.observe_drafts("s", 1, 3, 0)
+    allowed = [gate.allows("s", 1, 3) for _ in range(10)]
+    assert allowed == [False] * 4 + [True] + [False] * 4 + [True], allowed
+    for _ in range(12):
+        gate.observe_drafts("s", 1, 3, 3)  # the probes' drafts all accepted now
+    assert all(gate.allows("s", 1, 3) for _ in range(6))
+
+
+def test_the_held_counts_are_bounded_and_released():
+    gate = DraftGate(max_sessions=2, probe_every=100)
+    _timed(gate, 1, 0.003, 0.006)
+    gate.observe_drafts("x", 1, 3, 0)  # the level's α: 0
+    for name in ("a", "b", "c"):
+        assert not gate.allows(name, 1, 3)
+    assert list(gate._held) == ["b", "c"]
+    gate.release("c")
+    assert list(gate._held) == ["b"]

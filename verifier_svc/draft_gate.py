@@ -16,7 +16,9 @@ prompts the demo drafts were accepted ~0.27 a token (E(3) ≈ 1.37); on the shor
 
 The gate holds no session back from an exploration's drafting steps (the caller asks only
 outside them): those are the switch's measure of drafting, and the steps that go on feeding
-the level's α when every session is held back. A step that feeds a context (a prompt to the
+the level's α when every session is held back. A session held back ``probe_every`` steps in a
+row drafts the next one (a probe), so that one whose drafts start to pay again (prose after a
+code block) is seen to within that many steps. A step that feeds a context (a prompt to the
 target, a session's context to the draft model) costs what comes once a session and does not
 enter the step times.
 """
@@ -34,9 +36,11 @@ class DraftGate:
     max_sessions: int = 1024  # sessions whose counts are kept (the least recent dropped)
     prior_steps: float = 4.0  # the level's α counts as this many of a session's steps
     weight: float = 0.1  # of a step in its kind's average time
+    probe_every: int = 16  # a session held back this many steps in a row drafts the next
     _step_s: dict[tuple[int, bool], float] = field(default_factory=dict)  # (level, drafted)
     _levels: dict[int, AcceptanceCounts] = field(default_factory=dict)
     _sessions: OrderedDict[str, AcceptanceCounts] = field(default_factory=OrderedDict)
+    _held: dict[str, int] = field(default_factory=dict)  # per session: steps held back in a row
 
     def allows(self, session_id: str, level: int, k: int) -> bool:
         """Whether ``session_id`` drafts ``k`` tokens in a drafting step of ``level``: yes
@@ -45,7 +49,17 @@ class DraftGate:
         shared = self._levels.get(level)
         if t_draft is None or t_plain is None or shared is None:
             return True
-        return expected_tokens(self.alpha(session_id, level), k) * t_plain >= t_draft
+        if expected_tokens(self.alpha(session_id, level), k) * t_plain >= t_draft:
+            self._held.pop(session_id, None)
+            return True
+        held = self._held.get(session_id, 0) + 1
+        if held > self.probe_every:  # the probe
+            self._held.pop(session_id, None)
+            return True
+        self._held[session_id] = held
+        while len(self._held) > self.max_sessions:  # (sessions never released)
+            del self._held[next(iter(self._held))]
+        return False
 
     def alpha(self, session_id: str, level: int) -> float:
         """The session's α: its counts, with the level's as ``prior_steps`` steps."""
@@ -76,3 +90,4 @@ class DraftGate:
 
     def release(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+        self._held.pop(session_id, None)
