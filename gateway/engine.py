@@ -168,8 +168,7 @@ class GenerationEngine:
             handle = SessionHandle(session_id=uuid.uuid4().hex, version=1, tokens=list(prompt),
                                    target=self.limits.fingerprint, keep=spec.keep_session,
                                    tenant=tenant or "", turn=turn.to_dict())
-            await self.store.acquire(handle.session_id, owner)
-            await self.store.create(handle)
+            await self.store.create(handle, owner)  # (its lease taken with it)
         req = RequestState(spec=spec, rounds=SessionRounds(handle), owner=owner, seed=seed,
                            deadline=deadline, turn=turn)
         req.usage.prompt_tokens = len(prompt)

@@ -122,6 +122,28 @@ def test_create_existing_session_is_refused_and_keeps_the_original(redis_server,
     assert loaded.tokens == [1, 2, 3] and loaded.target == "a"
 
 
+def test_create_with_an_owner_takes_the_lease_in_the_same_call(redis_server, prefix):
+    """``create(h, owner)``: the session is stored and ``owner`` holds its lease, as after
+    ``acquire``: another owner is refused until it is released. A session whose lease is held
+    (a stale lease left behind) is not created over it, and nothing of it is written."""
+    sid, other = new_id(), new_id()
+
+    async def body(store):
+        await store.create(handle(sid, [1, 2]), "owner-1")
+        with pytest.raises(Busy, match="busy"):
+            await store.acquire(sid, "owner-2")
+        await store.release(sid, "owner-1")
+        await store.acquire(sid, "owner-2")
+        await store.acquire(other, "stale")
+        with pytest.raises(Busy, match="busy"):
+            await store.create(handle(other, [3]), "owner-3")
+        with pytest.raises(NotFound):
+            await store.load(other)
+        return await store.load(sid)
+
+    assert run(redis_server, prefix, body).tokens == [1, 2]
+
+
 def test_load_unknown_session_is_not_found(redis_server, prefix):
     async def body(store):
         with pytest.raises(NotFound) as err:
