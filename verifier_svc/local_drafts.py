@@ -61,7 +61,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,9 +105,10 @@ class _Unit:
     before: list[int]
     level: int
     cut: bool = False
-    drafted: bool = False  # some of its jobs drafted
     fed: bool = False  # it fed a session's context to the draft model
-    local_before: list[tuple[int, int]] = field(default_factory=list)  # per job: drafted, accepted
+    # a drafting step's: per job, its local drafts verified and accepted before it (None: the
+    # step did not draft)
+    local_before: list[tuple[int, int]] | None = None
 
 
 class LocalDrafter:
@@ -187,9 +188,7 @@ class LocalDrafter:
         on = switch.mode(now)
         counted = [job for job in jobs if hasattr(job, "produced")]
         prompt = any(getattr(job, "feeding", 1) >= PREFILL_ROW for job in jobs)
-        self._unit = _Unit(now, counted, [job.produced for job in counted], level, prompt,
-                           local_before=[(getattr(job, "local_drafted", 0),
-                                          getattr(job, "local_accepted", 0)) for job in counted])
+        self._unit = _Unit(now, counted, [job.produced for job in counted], level, prompt)
         if switch.kept_changed():
             low = 1 << (level - 1)
             log.info("plain rounds of %d-%d sessions a step now %s (tokens per second: "
@@ -203,7 +202,8 @@ class LocalDrafter:
             self.held_back += len(wanting) - len(drafting)
             wanting = drafting
         if on and wanting:
-            self._unit.drafted = True
+            self._unit.local_before = [(job.local_drafted, job.local_accepted)
+                                       for job in counted]
             try:
                 self._draft(wanting)
             except Exception:  # noqa: BLE001 - drafts are optional: the step runs without
@@ -245,11 +245,13 @@ class LocalDrafter:
                      for job, before in zip(unit.jobs, unit.before, strict=True))
         self.uncounted += unit.cut
         self.switch(unit.level).observe(unit.started, now - unit.started, tokens, unit.cut)
+        drafted = unit.local_before is not None
         if not (unit.cut or unit.fed):
-            self.gate.observe_step(unit.level, unit.drafted, now - unit.started)
-        for job, (drafted, accepted) in zip(unit.jobs, unit.local_before, strict=True):
-            if (verified := getattr(job, "local_drafted", 0) - drafted) > 0:
-                self.gate.observe_drafts(job.session_id, unit.level, verified,
+            self.gate.observe_step(unit.level, drafted, now - unit.started)
+        for job, (verified, accepted) in zip(unit.jobs, unit.local_before or (), strict=drafted):
+            if job.local_drafted > verified:
+                self.gate.observe_drafts(job.session_id, unit.level,
+                                         job.local_drafted - verified,
                                          job.local_accepted - accepted)
 
     def _entry(self, session_id: str) -> SessionCache:

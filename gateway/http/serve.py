@@ -34,9 +34,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     connections (docs/performance.md)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     made = socket.create_server((host, port), family=family, backlog=1024)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=made.detach())
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+    return socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=made.detach())
 
 
 class HttpServer:
