@@ -240,7 +240,7 @@ class DraftLength:
         """The gateway-wide acceptance counts of a drafter kind at the context level of
         ``tokens`` (all requests' rounds there): what a new request's α starts from. Drafts
         are accepted at different rates behind short and long contexts (the demo drafter's
-        per token: 0.72-0.84 on the bench's short prompts, 0.17-0.27 on 385-820-token ones,
+        per token: 0.72-0.86 on the bench's short prompts, 0.17-0.27 on 385-820-token ones,
         docs/performance.md), and one count for all lengths started each long-prompt request
         drafting, a lead round included, on what short prompts had taught. A level's counts
         start from the nearest level's, weighed as ``SEED_ROUNDS`` rounds."""
