@@ -55,17 +55,33 @@ struct PrefixTask {
   const float* qt; float* s; float* ot; float* m; float* l;
 };
 
-// Asks for keys j0 + j .. j0 + j + tn - 1's values (read after the scores) and the next
-// block's keys: a pass's prefix comes from memory or L3 (the weights streamed through since)
-inline void prefetch_tile(const PrefixTask& t, int64_t j0, int64_t j, int64_t tn) {
-  for (int64_t r = j; r < j + tn; ++r) {
-    const char* vr = reinterpret_cast<const char*>(t.v + (j0 + r) * t.vstep);
-    const char* kr = reinterpret_cast<const char*>(t.k + (j0 + kKeys + r) * t.kstep);
-    for (int64_t b = 0; b < t.D * 4; b += 64) {
-      _mm_prefetch(vr + b, _MM_HINT_T0);
-      if (j0 + kKeys + r < t.P) _mm_prefetch(kr + b, _MM_HINT_T0);
-    }
+// Keys (or values) from .. to - 1 read once, a load a cache line, before their blocks' work:
+// a pass's prefix comes from memory (the weights streamed through since), and a plain run of
+// loads lets the hardware's prefetcher stream it at the memory's rate, where the blocks' own
+// reads, among their multiply-adds, stalled on it, software prefetches a tile ahead included.
+// Demo target, 16 sessions behind 800 shared positions, one layer's call, from memory: 243 ->
+// 143 us on one thread, 167 -> 107 on two; hot in cache 103 -> 117 and 69 -> 79
+// (docs/performance.md, 2026-11-29). K's rows, then V's: the two as one interleaved run were
+// slower. A chunk of kWarmBytes of both, read at its first block, stays in L2 until used.
+constexpr int64_t kWarmBytes = 256 * 1024;
+
+inline void warm_rows(const float* base, int64_t step, int64_t from, int64_t to, int64_t D) {
+  int acc = 0;
+  for (int64_t r = from; r < to; ++r) {
+    const int* row = reinterpret_cast<const int*>(base + r * step);
+    for (int64_t d = 0; d < D; d += 16) acc |= row[d];  // (16 floats: one 64-byte line)
   }
+  static volatile int sink;  // (the loads are kept)
+  sink = acc;
+}
+
+// At the first block of each chunk (a multiple of kKeys keys): its keys and values warmed
+inline void warm_chunk(const PrefixTask& t, int64_t j0) {
+  const int64_t chunk = std::max<int64_t>(kKeys, kWarmBytes / (8 * t.D) / kKeys * kKeys);
+  if (j0 % chunk != 0) return;
+  const int64_t end = std::min(t.P, j0 + chunk);
+  warm_rows(t.k, t.kstep, j0, end, t.D);
+  warm_rows(t.v, t.vstep, j0, end, t.D);
 }
 
 // C vectors of queries (16 C, QT rows that far apart): one where a call has at most 16
@@ -77,11 +93,11 @@ template <int C> AVX512 void prefix_block(const PrefixTask& t) {
   for (int64_t i = 0; i < D * W; i += 16) _mm512_storeu_ps(t.ot + i, _mm512_setzero_ps());
   for (int64_t j0 = 0; j0 < t.P; j0 += kKeys) {
     const int64_t jn = std::min(kKeys, t.P - j0);
+    warm_chunk(t, j0);
     // scores of keys j0.. for the 32 queries: S[j] = sum_d K[j][d] QT[d], d in order
     for (int64_t j = 0; j < jn; j += kTile) {
       const int64_t tn = std::min(kTile, jn - j);
       const float* kj = t.k + (j0 + j) * t.kstep;
-      prefetch_tile(t, j0, j, tn);
       __m512 acc[kTile][C];
       for (int r = 0; r < kTile; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -150,10 +166,10 @@ template <int C, int TILE> AVX2 void prefix_block256(const PrefixTask& t) {
   for (int64_t i = 0; i < D * W; i += 8) _mm256_storeu_ps(t.ot + i, _mm256_setzero_ps());
   for (int64_t j0 = 0; j0 < t.P; j0 += kKeys) {
     const int64_t jn = std::min(kKeys, t.P - j0);
+    warm_chunk(t, j0);
     for (int64_t j = 0; j < jn; j += TILE) {
       const int64_t tn = std::min<int64_t>(TILE, jn - j);
       const float* kj = t.k + (j0 + j) * t.kstep;
-      prefetch_tile(t, j0, j, tn);
       __m256 acc[TILE][C];
       for (int r = 0; r < TILE; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
