@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-ROWS_MAX = 32  # a call over more rows (a prompt's) runs on the float32 weights
 BLOCK, PAD = 16, 32  # the layout's output block, and N's padding (csrc/cpu_kernels.cpp)
 
 

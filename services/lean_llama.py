@@ -55,6 +55,10 @@ from services.uniform_pass import UniformPass, parts_in_order, slot_order
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
 POOL_PAD = 512  # padded positions the longest row may add to the others' before it goes alone
+UNIFORM_MAX = 32  # tokens a pass runs as one operator at most (services/uniform_pass.py): its
+#                   attention is the pooled kernel's, query by query, where the layer loop
+#                   attends a prompt's rows apart (SDPA); passes of 16 sessions verifying 3
+#                   drafts each, 64 tokens, were within 5% either way (in process)
 
 
 @dataclass
@@ -69,7 +73,7 @@ class LeanLlama(torch.nn.Module):
     (2-D, 1 = real key, covering past and new positions; or 4-D [B, 1, m, keys] as SDPA takes
     it, used as given) and ``logits_to_keep``. ``pack``: prepack the weights for oneDNN
     where ``packing_unavailable`` allows it; ``half``: also keep 16-bit copies of the weights
-    that are exactly 16-bit numbers, for calls over few rows (services/half_linear.py;
+    that are exactly 16-bit numbers, which every call then reads (services/half_linear.py;
     ``half_weights`` says how many were made, or why none); ``graphs``: decode and verify
     passes of pooled rows replayed as CUDA graphs (``graphs``, services/cuda_graphs.py)."""
 
@@ -208,7 +212,7 @@ class LeanLlama(torch.nn.Module):
         16-bit copies and the norm is the project's kernel, the same operators run as one
         (``specmesh_cpu::mlp_tail``, services/csrc/layer_parts.h): the same floats, without
         the interpreter and PyTorch's dispatch between them (~45 us a layer on one row)."""
-        if self.kernel_layer and x.numel() // x.shape[-1] <= half_linear.ROWS_MAX and w.halves:
+        if self.kernel_layer and w.halves:
             return torch.ops.specmesh_cpu.mlp_tail(x, attn, w.o.half, w.ln2, self._eps,
                                                    w.gate_up.half, 2 * self._inter, w.down.half)
         x = x + w.o(attn)
@@ -222,7 +226,7 @@ class LeanLlama(torch.nn.Module):
         (``specmesh_cpu::rope_store``; with the norm and the projection in the same operator,
         ``norm_qkv_store``, where the projection reads its 16-bit copy)."""
         H, KV, D = self._heads, self._kv_heads, self._head_dim
-        qkv = w.qkv.half_over(x.shape[0]) if self.kernel_layer else None
+        qkv = w.qkv.half if self.kernel_layer else None
         if qkv is None:
             return torch.ops.specmesh_cpu.rope_store(w.qkv(self._rms(x, w.ln1)), cos, sin, H, KV,
                                                      *buffers, p.slot, p.pos)
@@ -231,9 +235,9 @@ class LeanLlama(torch.nn.Module):
 
     def _uniform(self, tokens: int) -> bool:
         """Whether aligned rows of ``tokens`` tokens can run as one operator
-        (services/uniform_pass.py): the layers' fused operators are on, the projections read
-        their 16-bit copies over that many rows, and every one has a copy."""
-        return (self.kernel_layer and tokens <= half_linear.ROWS_MAX
+        (services/uniform_pass.py): the layers' fused operators are on, every projection has
+        its 16-bit copy, and the tokens are few (``UNIFORM_MAX``)."""
+        return (self.kernel_layer and tokens <= UNIFORM_MAX
                 and self.uniform_pass.weights is not None)
 
     def _cascades(self, shared: list[tuple[list[int], int]], rows, sizes: list[int],
@@ -306,7 +310,7 @@ class LeanLlama(torch.nn.Module):
         width, table = len(rows[0].tokens), self.rope.table
         ends = [r.start + width + steps - 1 for r in rows]
         if (not (self.kernel_rope and self._uniform(width)) or table is None
-                or self._lm_head.half_over(len(rows)) is None
+                or self._lm_head.half is None
                 or any(len(r.tokens) != width or r.keep != 1 for r in rows)
                 or max(ends) > min(self.pool.slot_len, len(table[0]))
                 or len(self._pooled(rows)) != len(rows)):

@@ -1,5 +1,5 @@
 """How the lean forward's linear layers run (services/lean_llama.py): PyTorch's ``linear``,
-oneDNN's on weights prepacked once, and the 16-bit kernel for calls over few rows.
+oneDNN's on weights prepacked once, and the 16-bit kernel on 16-bit weights.
 
 On a CPU with float32 weights the projections and the LM head are prepacked once for oneDNN
 (``pack``). PyTorch's own ``linear`` repacks the weight on every call with more than one row,
@@ -10,12 +10,15 @@ order: logits differ from transformers' by ~1e-5 (within the tests' bound), abou
 PyTorch's own results for a position differ between a pass over one row and one over four.
 
 Weights whose values are exactly 16-bit numbers (a float16 or bfloat16 checkpoint loaded as
-float32) get a 16-bit copy instead, which a call over at most ``half_linear.ROWS_MAX`` rows
-reads: half the memory traffic for the same float32 products and sums
-(services/half_linear.py). Longer calls (prompts) run PyTorch's ``linear`` on the float32
-weight, as fast there as the prepacked one or faster (demo target, 48- and 256-token prompt
-passes on one and two threads, docs/performance.md), so the copy takes half the weights'
-memory where the packed one took all of it.
+float32) get a 16-bit copy instead, which every call reads: half the memory traffic for the
+same float32 products and sums (services/half_linear.py), and its kernel keeps near a core's
+peak of multiply-adds over many rows too. Calls over more than 32 rows (prompts, and passes of
+16 sessions verifying 3 drafts each) once ran PyTorch's ``linear`` on the float32 weight, which
+on a Zen 5 EPYC took 2.5-3.1x the kernel's time over the demo target's 25 layers from 16 to
+256 rows (the AVX2 kernel's 1.25-1.95x): a 512-token prompt's passes took 131 against 72 ms
+and a 16-session pass of 4-token verify rows 24.4 against 10.5 ms on one thread
+(docs/performance.md, 2026-11-29). A weight with a 16-bit copy is not prepacked: no call
+reads its float32 copy.
 """
 
 from __future__ import annotations
@@ -45,29 +48,21 @@ def packing_unavailable(weight: torch.Tensor) -> str:
 class Linear:
     """x @ W.T for one weight [out, in]: PyTorch's ``linear``, or oneDNN's on a copy of W
     packed once (see the module docstring); with ``half`` (only when W's values are exactly
-    16-bit numbers), a call over at most ``half_linear.ROWS_MAX`` rows runs on a 16-bit copy
-    of W and a longer one on PyTorch's ``linear``."""
+    16-bit numbers), the 16-bit kernel on a 16-bit copy of W."""
 
     __slots__ = ("weight", "packed", "half")
 
     def __init__(self, weight: torch.Tensor, pack: bool, half: torch.dtype | None = None) -> None:
         self.weight = weight
         self.half = None if half is None else half_linear.blocks(weight, half)
-        # the row count is a blocking hint; the kernel serves any number of rows. A weight
-        # with a 16-bit copy is not packed: the calls that would read the packed copy have
-        # more than ROWS_MAX rows (prompts), where PyTorch's linear is as fast
+        # the row count is a blocking hint. A weight with a 16-bit copy is not packed: every
+        # call reads the copy
         pack = pack and self.half is None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if pack else None
 
-    def half_over(self, rows: int) -> torch.Tensor | None:
-        """The 16-bit copy that a call over ``rows`` rows reads, or None (it runs on the
-        float32 weight)."""
-        return self.half if rows <= half_linear.ROWS_MAX else None
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        half = self.half_over(x.numel() // x.shape[-1])
-        if half is not None:
-            return half_linear.linear(x, half, self.weight.shape[0])
+        if self.half is not None:
+            return half_linear.linear(x, self.half, self.weight.shape[0])
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
