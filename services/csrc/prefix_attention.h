@@ -71,8 +71,8 @@ inline void warm_rows(const float* base, int64_t step, int64_t from, int64_t to,
     const int* row = reinterpret_cast<const int*>(base + r * step);
     for (int64_t d = 0; d < D; d += 16) acc |= row[d];  // (16 floats: one 64-byte line)
   }
-  static volatile int sink;  // (the loads are kept)
-  sink = acc;
+  static std::atomic<int> sink;  // (the loads are kept; threads store to it freely)
+  sink.store(acc, std::memory_order_relaxed);
 }
 
 // At the first block of each chunk (a multiple of kKeys keys): its keys and values warmed
