@@ -25,7 +25,7 @@ The tests check its logits against HF's, alone and batched with padding.
 
 On a CPU with float32 weights the projections and the LM head are also prepacked once for
 oneDNN (``pack=True``; the ``auto`` and ``packed`` modes), and with ``half=True`` (``auto``)
-weights whose values are exactly 16-bit numbers get 16-bit copies for passes over few rows
+weights whose values are exactly 16-bit numbers get 16-bit copies, which every call reads
 (services/linear_layers.py says why and what each costs). ``lean`` runs PyTorch's ``linear``.
 """
 
@@ -55,10 +55,11 @@ from services.uniform_pass import UniformPass, parts_in_order, slot_order
 POOL_SLOT_CAP = 4096  # positions of a pool slot at most; a longer session leaves its slot
 POOL_ROW_MAX = 8  # a row of more new tokens (a prompt) attends alone: the batch pads to it
 POOL_PAD = 512  # padded positions the longest row may add to the others' before it goes alone
-UNIFORM_MAX = 32  # tokens a pass runs as one operator at most (services/uniform_pass.py): its
-#                   attention is the pooled kernel's, query by query, where the layer loop
-#                   attends a prompt's rows apart (SDPA); passes of 16 sessions verifying 3
-#                   drafts each, 64 tokens, were within 5% either way (in process)
+UNIFORM_MAX = 32  # tokens a pass runs as one operator at most (services/uniform_pass.py), which
+#                   only pooled rows (POOL_ROW_MAX) join: it bounds passes of many decode and
+#                   verify rows. Lifted, a 16-session pass of 4-token verify rows ran 10.5
+#                   against 11.0-11.3 ms in process, a gain the one mesh run with it lifted
+#                   (long prompts, 16 streams) did not show; kept as it was until one does
 
 
 @dataclass

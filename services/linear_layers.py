@@ -14,8 +14,8 @@ float32) get a 16-bit copy instead, which every call reads: half the memory traf
 same float32 products and sums (services/half_linear.py), and its kernel keeps near a core's
 peak of multiply-adds over many rows too. Calls over more than 32 rows (prompts, and passes of
 16 sessions verifying 3 drafts each) once ran PyTorch's ``linear`` on the float32 weight, which
-on a Zen 5 EPYC took 2.5-3.1x the kernel's time over the demo target's 25 layers from 16 to
-256 rows (the AVX2 kernel's 1.25-1.95x): a 512-token prompt's passes took 131 against 72 ms
+on a Zen 5 EPYC took 2.5-3.1x the kernel's time on one thread over the demo target's 25 layers
+from 16 to 256 rows (the AVX2 kernel's 1.25-1.95x): a 512-token prompt's passes took 131 against 72 ms
 and a 16-session pass of 4-token verify rows 24.4 against 10.5 ms on one thread
 (docs/performance.md, 2026-11-29). A weight with a 16-bit copy is not prepacked: no call
 reads its float32 copy.

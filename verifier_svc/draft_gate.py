@@ -79,7 +79,10 @@ class DraftGate:
         """``session_id``'s step verified ``drafted`` local drafts and accepted ``accepted``."""
         if drafted <= 0:
             return
-        self._levels.setdefault(level, AcceptanceCounts(decay=0.98)).observe(drafted, accepted)
+        shared = self._levels.get(level)
+        if shared is None:
+            shared = self._levels[level] = AcceptanceCounts(decay=0.98)
+        shared.observe(drafted, accepted)
         own = self._sessions.get(session_id)
         if own is None:
             own = self._sessions[session_id] = AcceptanceCounts(decay=0.9)

@@ -1,7 +1,7 @@
 // The CPU kernels of services/cpu_kernels.py: a linear layer over 16-bit weights, a row argmax,
 // the attention of a pass's pooled decode and verify rows (pooled_attention.h) and of a shared
 // prefix (prefix_attention.h), RMS norm, a layer's rotary embedding with its cache writes, and
-// a layer's steps over few rows as one operator each, and the layers of a pass whose rows hold
+// a layer's steps as one operator each, and the layers of a pass whose rows hold
 // as many tokens each as one (layer_parts.h), and a draft model's greedy passes of a drafting
 // step as one (draft_loop.h).
 //

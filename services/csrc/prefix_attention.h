@@ -77,6 +77,7 @@ inline void warm_rows(const float* base, int64_t step, int64_t from, int64_t to,
 
 // At the first block of each chunk (a multiple of kKeys keys): its keys and values warmed
 inline void warm_chunk(const PrefixTask& t, int64_t j0) {
+  // (a key's and a value's D floats: 8 D bytes a position)
   const int64_t chunk = std::max<int64_t>(kKeys, kWarmBytes / (8 * t.D) / kKeys * kKeys);
   if (j0 % chunk != 0) return;
   const int64_t end = std::min(t.P, j0 + chunk);
