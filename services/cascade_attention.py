@@ -63,11 +63,30 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # without; among 32 sessions one group of 16 sharing 250 positions (117 saved a token) or of
 # 8 sharing 800 (175) lost 1.5 ms each, while 16 of 16 sharing 250 (234) won 1.2 ms and 16 of
 # 32 sharing 800 (375) won 3 ms.
+# A group whose queries fill only part of a block (PART_MIN_QUERIES, half of one, or more) is
+# kept where its rows after the first skip PART_MIN_SAVED positions of the prefix together:
+# the half-empty block costs the work of a full one over the prefix, and the call has costs
+# of its own, while the copies not read grow with the prefix. Demo target, one-token rows (8
+# queries a key head for 4 sessions), whole passes alternated in one process, 2-core AMD EPYC
+# (Zen 3, AVX2), one / two threads: 4 sessions sharing 800 positions (2,400 skipped) 1.20x /
+# 1.15x as fast with the cascade, 6 sharing 800 1.39x / 1.47x, 4 sharing 512 (1,536) 1.15x /
+# 1.08x, 6 sharing 512 1.23x / 1.12x; 4 sharing 304 (912) 0.96x / 0.90x, 3 sharing 800
+# (6 queries) 1.02x, pairs sharing 800 (4 queries) 0.88x / 0.94x (docs/performance.md,
+# 2026-11-29)
 PREFIX_MIN_QUERIES = 16
+PART_MIN_QUERIES = 8
+PART_MIN_SAVED = 1500
 SHARED_MIN_SAVED = 200
 DENSE_MIN = 16  # queries per key head from which a shared prefix is attended by ``dense_lse``
 #                (in whole passes behind 800 shared positions, passes alternated on one
 #                thread: 16 sessions, 32 queries a head, 5% shorter; 8 sessions 3%; 4, 3% longer)
+
+
+def _fills(queries: int, skipped: int) -> bool:
+    """Whether a group of ``queries`` a key head whose rows after the first skip ``skipped``
+    positions of the shared prefix pays for its blocks of the prefix kernel."""
+    return queries >= PREFIX_MIN_QUERIES or (queries >= PART_MIN_QUERIES
+                                             and skipped >= PART_MIN_SAVED)
 
 
 def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, sizes: Sequence[int],
@@ -77,16 +96,17 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     positions) whose rows attend that prefix once, in the prefix kernel
     (``prefix_attention``). A group only when it fills one of the kernel's blocks of queries
     (``PREFIX_MIN_QUERIES`` a key head, ``group`` query heads each: a smaller one pays for a
-    whole block over the prefix); and where the pass could otherwise run its layers in one
-    operator (every row pooled, ``pooled``, all of one size that runs so, ``uniform``), the
+    whole block over the prefix), or half of one where its rows skip many positions
+    (``PART_MIN_QUERIES``, ``PART_MIN_SAVED``); and where the pass could otherwise run its
+    layers in one operator (every row pooled, ``pooled``, all of one size that runs so, ``uniform``), the
     groups only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (``sizes``:
     each row's new tokens; a group keeps the whole pass in the layer-by-layer path), unless
     one group holds every row and they are in one segment (``segment`` slots each): the pass
     then runs as one operator with the prefix attended in it, which paid even where little
     is shared (16 demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a pass on
     two threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29)."""
-    groups = [(idx, p) for idx, p in shared
-              if sum(sizes[b] for b in idx) * group >= PREFIX_MIN_QUERIES]
+    groups = [(idx, p) for idx, p in shared if _fills(sum(sizes[b] for b in idx) * group,
+                                                     (len(idx) - 1) * p)]
     if not groups or len(pooled) < len(rows) or not uniform:
         return groups  # (the rule covers passes of pooled rows of one size only)
     if (len(groups) == 1 and len(groups[0][0]) == len(rows)
