@@ -152,7 +152,7 @@ class SessionCaches:
     def _restore(self, entry: SessionCache, tokens: Sequence[int], limit: int) -> None:
         hashes, blocks = self.prefix.lookup(tokens, limit)
         if blocks:
-            restore(entry.kv, blocks)
+            restore(entry.kv, self.prefix.joined(hashes, blocks))
             entry.published = len(blocks) * self.prefix.block
             entry.tokens = list(tokens[:entry.published])  # (a fresh entry: nothing hashed)
             entry.hashes = list(hashes)

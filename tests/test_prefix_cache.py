@@ -94,6 +94,29 @@ def test_eviction_drops_a_chain_from_its_tail_and_keeps_the_hot_head():
     assert len(cache.lookup([1, 1, 2, 2, 3, 3, 0], limit=6)[1]) == 2  # a0, a1 still reusable
 
 
+def test_a_joined_run_is_reused_counted_in_the_budget_and_dropped_with_its_blocks():
+    cache = PrefixCache(block=2, max_blocks=16)  # joined runs: at most 16 // 8 = 2 blocks
+    shared = [1, 1, 2, 2]
+    _publish(cache, shared)
+    hashes, blocks = cache.lookup(shared + [0], limit=4)
+    first = cache.joined(hashes, blocks)
+    assert torch.equal(first, torch.cat(blocks, dim=3))  # positions 0..3, in order
+    assert first[0, 0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert cache.joined(*cache.lookup(shared + [5], limit=4)) is first  # not joined again
+    assert cache.stats.runs_reused == 1
+    one = cache.lookup(shared, limit=3)  # one block: that block itself, no run
+    assert cache.joined(*one) is one[1][0]
+    # the run's 2 blocks count in the budget: 12 more blocks fill it, a 13th evicts one
+    _publish(cache, list(range(100, 124)))
+    assert cache.stats.evicted_blocks == 0 and len(cache) == 14
+    _publish(cache, [7, 7])
+    assert cache.stats.evicted_blocks == 1 and len(cache) == 14  # (the run went with it)
+    assert hashes[1] not in cache and hashes[0] in cache  # the shared chain's tail
+    _publish(cache, shared)  # its second block computed again: a new run
+    assert cache.joined(*cache.lookup(shared + [0], limit=4)) is not first
+    assert cache.stats.runs_reused == 1
+
+
 def test_drain_changes_reports_each_block_once_and_forgets_unpublished_evictions():
     cache = PrefixCache(block=1, max_blocks=2)
     one, two = (block_hash(0, [t]) for t in (1, 2))  # two one-block chains
