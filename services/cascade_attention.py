@@ -63,8 +63,10 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # without; among 32 sessions one group of 16 sharing 250 positions (117 saved a token) or of
 # 8 sharing 800 (175) lost 1.5 ms each, while 16 of 16 sharing 250 (234) won 1.2 ms and 16 of
 # 32 sharing 800 (375) won 3 ms.
-# A group whose queries fill only part of a block (PART_MIN_QUERIES, half of one, or more) is
-# kept where its rows after the first skip PART_MIN_SAVED positions of the prefix together:
+# A pass's only group, holding every row of a one-operator pass, whose queries fill only part
+# of a block (PART_MIN_QUERIES, half of one, or more) is kept where its rows after the first
+# skip PART_MIN_SAVED positions of the prefix together (``cascade_groups``: elsewhere such
+# groups took the pass layer by layer and lost):
 # the half-empty block costs the work of a full one over the prefix, and the call has costs
 # of its own, while the copies not read grow with the prefix. Demo target, one-token rows (8
 # queries a key head for 4 sessions), whole passes alternated in one process, 2-core AMD EPYC
@@ -96,22 +98,28 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     positions) whose rows attend that prefix once, in the prefix kernel
     (``prefix_attention``). A group only when it fills one of the kernel's blocks of queries
     (``PREFIX_MIN_QUERIES`` a key head, ``group`` query heads each: a smaller one pays for a
-    whole block over the prefix), or half of one where its rows skip many positions
-    (``PART_MIN_QUERIES``, ``PART_MIN_SAVED``); and where the pass could otherwise run its
-    layers in one operator (every row pooled, ``pooled``, all of one size that runs so, ``uniform``), the
+    whole block over the prefix); and where the pass could otherwise run its layers in one
+    operator (every row pooled, ``pooled``, all of one size that runs so, ``uniform``), the
     groups only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (``sizes``:
     each row's new tokens; a group keeps the whole pass in the layer-by-layer path), unless
     one group holds every row and they are in one segment (``segment`` slots each): the pass
     then runs as one operator with the prefix attended in it, which paid even where little
     is shared (16 demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a pass on
-    two threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29)."""
-    groups = [(idx, p) for idx, p in shared if _fills(sum(sizes[b] for b in idx) * group,
-                                                     (len(idx) - 1) * p)]
+    two threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29). Such a group
+    may fill half a block where its rows skip many positions (``PART_MIN_QUERIES``,
+    ``PART_MIN_SAVED``); elsewhere groups of half a block made passes slower (4 groups of 4
+    demo-target sessions sharing 800 positions each: 13.8 against 11.0 ms on two threads, the
+    pass layer by layer; 2 groups of 4 sharing 512: 8.3 against 7.0 on one)."""
+    full = [(idx, p) for idx, p in shared
+            if sum(sizes[b] for b in idx) * group >= PREFIX_MIN_QUERIES]
+    if len(pooled) == len(rows) and uniform and len(shared) == 1:
+        idx, p = shared[0]
+        if (len(idx) == len(rows) and len({rows[b].kv.slot // segment for b in pooled}) == 1
+                and _fills(sum(sizes) * group, (len(idx) - 1) * p)):
+            return list(shared)  # one group of every row in one segment: still one operator
+    groups = full
     if not groups or len(pooled) < len(rows) or not uniform:
         return groups  # (the rule covers passes of pooled rows of one size only)
-    if (len(groups) == 1 and len(groups[0][0]) == len(rows)
-            and len({rows[b].kv.slot // segment for b in pooled}) == 1):
-        return groups  # one group of every row in one segment: still one operator
     saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
     return groups if saved >= SHARED_MIN_SAVED * sum(sizes) else []
 

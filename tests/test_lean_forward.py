@@ -711,17 +711,18 @@ def test_a_uniform_pass_on_two_threads_runs_groups_of_rows_with_the_same_floats(
 @pytest.mark.parametrize("groups, alone, prefix, wide, cascade", [
     ([2, 2, 2, 2], 0, 160, False, False), ([8], 8, 160, False, False),
     ([8], 0, 400, False, True), ([16], 0, 160, False, True), ([8], 0, 160, True, True),
-    ([4], 0, 512, False, True), ([4], 0, 304, False, False)],
+    ([4], 0, 512, False, True), ([4], 0, 304, False, False), ([4, 4], 0, 512, False, False)],
     ids=["pairs", "eight-of-sixteen-sharing-little", "eight-sharing-much",
          "sixteen-sharing-little", "eight-beside-a-verify", "four-sharing-much",
-         "four-sharing-little"])
+         "four-sharing-little", "two-fours-sharing-much"])
 def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, prefix, wide,
                                                                  cascade):
     """With the prefix kernel a group of rows attends its shared prefix once (cascade
     attention) only when its queries fill one of the kernel's 16-lane blocks per key head
-    (the demo target has two query heads a key head: eight one-token rows), or half of one
-    where its rows after the first skip 1,500 positions of the prefix together (four rows
-    sharing 512 positions skip 1,536; sharing 304, 912: no group), and, where the
+    (the demo target has two query heads a key head: eight one-token rows), or, as a pass's
+    only group, holding every row, half of one where its rows after the first skip 1,500
+    positions of the prefix together (four rows sharing 512 positions skip 1,536; sharing
+    304, 912: no group; two such fours: none either), and, where the
     pass could run its layers as one operator, only when the groups save 200 positions
     (rows after each group's first times its prefix) a token of the pass: pairs, and eight
     of sixteen rows sharing 160 positions (70 a token), run ``dense_layers``; eight sharing
