@@ -75,10 +75,16 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # 1.08x, 6 sharing 512 1.23x / 1.12x; 4 sharing 304 (912) 0.96x / 0.90x, 3 sharing 800
 # (6 queries) 1.02x, pairs sharing 800 (4 queries) 0.88x / 0.94x (docs/performance.md,
 # 2026-11-29)
+# On an AVX2 CPU (2-core AMD EPYC, Zen 3, the same demo-target passes, alternated), groups
+# taking a one-operator pass layer by layer paid only further: 2 groups of 8 sessions sharing
+# 250 positions each (219 saved a token) 1.00x / 0.76x as fast as without (one / two threads),
+# sharing 400 (350) 0.91x / 0.77x, 4 groups of 8 sharing 250 0.83x; sharing 800 (700) 1.34x /
+# 0.96x, 4 groups of 8 1.38x (docs/performance.md, 2026-11-29). Per the prefix kernel's path
+# (``prefix_attention_isa``):
 PREFIX_MIN_QUERIES = 16
 PART_MIN_QUERIES = 8
 PART_MIN_SAVED = 1500
-SHARED_MIN_SAVED = 200
+SHARED_MIN_SAVED = {"avx512": 200, "avx2": 500}
 DENSE_MIN = 16  # queries per key head from which a shared prefix is attended by ``dense_lse``
 #                (in whole passes behind 800 shared positions, passes alternated on one
 #                thread: 16 sessions, 32 queries a head, 5% shorter; 8 sessions 3%; 4, 3% longer)
@@ -92,15 +98,16 @@ def _fills(queries: int, skipped: int) -> bool:
 
 
 def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, sizes: Sequence[int],
-                   pooled: set[int], group: int, uniform: bool, segment: int
-                   ) -> list[tuple[list[int], int]]:
+                   pooled: set[int], group: int, uniform: bool, segment: int,
+                   isa: str = "avx512") -> list[tuple[list[int], int]]:
     """The groups of ``shared`` ((row indices, P): rows whose caches begin with the same P
     positions) whose rows attend that prefix once, in the prefix kernel
     (``prefix_attention``). A group only when it fills one of the kernel's blocks of queries
     (``PREFIX_MIN_QUERIES`` a key head, ``group`` query heads each: a smaller one pays for a
     whole block over the prefix); and where the pass could otherwise run its layers in one
     operator (every row pooled, ``pooled``, all of one size that runs so, ``uniform``), the
-    groups only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (``sizes``:
+    groups only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (``isa``:
+    the prefix kernel's path, whose figure applies; ``sizes``:
     each row's new tokens; a group keeps the whole pass in the layer-by-layer path), unless
     one group holds every row and they are in one segment (``segment`` slots each): the pass
     then runs as one operator with the prefix attended in it, which paid even where little
@@ -121,7 +128,7 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     if not groups or len(pooled) < len(rows) or not uniform:
         return groups  # (the rule covers passes of pooled rows of one size only)
     saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
-    return groups if saved >= SHARED_MIN_SAVED * sum(sizes) else []
+    return groups if saved >= SHARED_MIN_SAVED.get(isa, 200) * sum(sizes) else []
 
 
 def dense_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

@@ -133,8 +133,9 @@ class LeanLlama(torch.nn.Module):
         self.kernel_rope = self.kernel_attention
         # a cascade's shared prefix attended by all its queries at once and merged with their
         # rests in one operator (``specmesh_cpu::prefix_attention``, AVX-512 or AVX2)
-        self.kernel_prefix = bool(self.kernel_attention
-                                  and torch.ops.specmesh_cpu.prefix_attention_isa())
+        self.prefix_isa = (torch.ops.specmesh_cpu.prefix_attention_isa()
+                           if self.kernel_attention else "")  # "avx512", "avx2" or ""
+        self.kernel_prefix = bool(self.prefix_isa)
         # RMS norms of float32 activations on a CPU in the project's kernel (one operator
         # for PyTorch's six; ``_rms``)
         self.kernel_norm = bool(half and weight.device.type == "cpu"
@@ -249,7 +250,8 @@ class LeanLlama(torch.nn.Module):
             return list(shared)
         return cascade_attention.cascade_groups(
             shared, rows, sizes, pooled, self._heads // self._kv_heads,
-            self._uniform(sizes[0]) if len(set(sizes)) == 1 else False, self.pool.segment)
+            self._uniform(sizes[0]) if len(set(sizes)) == 1 else False, self.pool.segment,
+            self.prefix_isa)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits [..., V] of x [..., h]."""

@@ -1,0 +1,64 @@
+"""Which groups of rows sharing a prefix attend it once (services/cascade_attention.py
+``cascade_groups``), as pure logic: the kernel's blocks of queries, the one-operator pass's
+only group of half a block, and the positions saved a token that several groups must reach,
+per the prefix kernel's path. The passes' speed behind each rule: tests/test_lean_forward.py
+checks the paths taken, docs/performance.md the figures."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.cascade_attention import cascade_groups
+
+SEGMENT = 64  # pool slots a segment (services/kv_slab.py POOL_SEGMENT_CPU)
+
+
+def _rows(slots: list[int]) -> list[SimpleNamespace]:
+    return [SimpleNamespace(kv=SimpleNamespace(slot=s)) for s in slots]
+
+
+def _kept(shared, n: int, isa: str = "avx2", uniform: bool = True, sizes=None,
+          slots=None) -> list:
+    rows = _rows(slots if slots is not None else list(range(n)))
+    return cascade_groups(shared, rows, sizes or [1] * n, set(range(n)), group=2,
+                          uniform=uniform, segment=SEGMENT, isa=isa)
+
+
+@pytest.mark.parametrize("isa, kept", [("avx512", True), ("avx2", False)])
+def test_two_full_groups_saving_350_positions_a_token_pay_on_avx512_only(isa, kept):
+    """Two groups of 8 one-token rows (16 queries a key head each) sharing 400 positions each:
+    2 x 7 x 400 / 16 = 350 saved a token, over the AVX-512 path's 200 and under AVX2's 500."""
+    shared = [(list(range(8)), 400), (list(range(8, 16)), 400)]
+    assert _kept(shared, 16, isa) == (shared if kept else [])
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_two_full_groups_saving_700_a_token_pay_on_either_path(isa):
+    shared = [(list(range(8)), 800), (list(range(8, 16)), 800)]
+    assert _kept(shared, 16, isa) == shared
+
+
+@pytest.mark.parametrize("prefix, kept", [(512, True), (304, False)])
+def test_a_one_operator_passs_only_group_of_half_a_block_pays_where_it_skips_enough(prefix,
+                                                                                      kept):
+    """Four one-token rows (8 queries a key head: half a block) holding the whole pass, in one
+    segment: kept where the rows after the first skip 1,500 positions (3 x 512 = 1,536), not
+    at 3 x 304 = 912."""
+    shared = [(list(range(4)), prefix)]
+    assert _kept(shared, 4) == (shared if kept else [])
+
+
+def test_half_a_block_is_not_enough_for_a_group_beside_others_or_across_segments():
+    """Two groups of four sharing 512 each take the pass layer by layer: neither is kept; nor
+    is a lone group of four whose rows lie in two pool segments (no one-operator pass), nor one
+    in a pass of rows of different sizes; a full block there is kept as before."""
+    two = [(list(range(4)), 512), (list(range(4, 8)), 512)]
+    assert _kept(two, 8) == []
+    one = [(list(range(4)), 512)]
+    assert _kept(one, 4, slots=[0, 1, SEGMENT, SEGMENT + 1]) == []
+    assert _kept(one, 4, uniform=False) == []
+    full = [(list(range(8)), 512)]
+    assert _kept(full, 8, uniform=False) == full
+    assert _kept([(list(range(2)), 800)], 2) == []  # a pair: a quarter of a block
