@@ -20,11 +20,12 @@ matched again). Blocks are copies: a session's own cache (services/kv_cache.py) 
 blocks published from it hold the same positions twice.
 
 A restore writes one tensor of the matched blocks joined (``joined``) into the session's
-cache. Joining them is a copy as long as the write itself (demo target, 800 positions: 0.30
-of a restore's 1.25 ms), and sessions behind a shared prompt join the same blocks again and
-again, on the replica's event loop, where a burst of new sessions waits for each other's:
-the last ``RUNS_MAX`` runs joined are kept, within ``1 / RUN_SHARE`` of the budget (counted in
-it), and a run is dropped with any of its blocks.
+cache. Joining them is a copy of its own, and sessions behind a shared prompt join the same
+blocks again and again, on the replica's event loop, where a burst of new sessions waits for
+each other's: the last ``RUNS_MAX`` runs joined are kept, within ``1 / RUN_SHARE`` of the
+budget (counted in it), and a run is dropped with any of its blocks (demo target, 800
+positions: a lookup and restore took 2.0-2.2 ms a session joining every time, 1.1-1.2 with
+the run kept; docs/performance.md, 2026-11-29).
 
 The replica publishes which blocks it holds (``drain_changes``) to a Redis index the
 gateway routes new sessions by (services/prefix_index.py).
