@@ -147,9 +147,10 @@ def run_hf_rows(pair: tuple[str, str], modes: list[Mode], texts: list[str], opts
     return rows
 
 
-def _shared_prefix(prompts: list[dict], target: str, tokens: int) -> tuple[list[dict], int]:
-    """``prompts`` behind a shared context of about ``tokens`` tokens of ``target``'s
-    tokenizer (specmesh.bench_prompts.with_shared_prefix)."""
+def _shared_prefix(prompts: list[dict], target: str, tokens: int,
+                   contexts: int) -> tuple[list[dict], int]:
+    """``prompts`` behind ``contexts`` shared contexts of about ``tokens`` tokens of
+    ``target``'s tokenizer (specmesh.bench_prompts.with_shared_prefix)."""
     from transformers import AutoTokenizer
 
     from specmesh.bench_prompts import load_prompts, with_shared_prefix
@@ -161,7 +162,8 @@ def _shared_prefix(prompts: list[dict], target: str, tokens: int) -> tuple[list[
         tokenizer = AutoTokenizer.from_pretrained(target)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(f"--shared-prefix: no tokenizer at {target!r}: {exc}") from exc
-    return with_shared_prefix(prompts, tokenizer, tokens, source=load_prompts())
+    return with_shared_prefix(prompts, tokenizer, tokens, source=load_prompts(),
+                              contexts=contexts)
 
 
 def _split(csv: str) -> list[str]:
@@ -226,6 +228,10 @@ def bench(
                     "about N tokens (a long system prompt or document before a short "
                     "question), so prefix caches are put to the test; 0 = the prompts alone. "
                     "Prompt + --max-new-tokens must fit the target's context.")] = 0,
+    shared_prefixes: Annotated[int, typer.Option(
+        min=1, help="With --shared-prefix: that many different contexts, prompt i behind "
+                    "context i mod N (several tenants' system prompts), so passes carry "
+                    "several groups of sessions that share one.")] = 1,
     repeat: Annotated[int, typer.Option(
         min=1, help="Run every (mode, concurrency) cell N times, each pass over a level's "
                     "cells in the other order, and report each cell's run with the median "
@@ -284,6 +290,10 @@ def bench(
     if addr and verifier_replicas != 1:
         raise typer.BadParameter("--verifier-replicas sizes the local mesh; a gateway given by "
                                  "--addr has its own replicas", param_hint="'--verifier-replicas'")
+    if shared_prefixes > 1 and not shared_prefix:
+        raise typer.BadParameter("--shared-prefixes sets how many contexts --shared-prefix N "
+                                 "puts before the prompts: give --shared-prefix too",
+                                 param_hint="'--shared-prefixes'")
     replicas = None if addr else verifier_replicas  # (the report's: a remote mesh's unknown)
     keys = [x for x in keys if not (no_hf and x in HF_KEYS)]
     try:
@@ -334,7 +344,8 @@ def bench(
                 pass
         prefix_tokens = 0
         if shared_prefix:
-            chosen, prefix_tokens = _shared_prefix(chosen, names["target"], shared_prefix)
+            chosen, prefix_tokens = _shared_prefix(chosen, names["target"], shared_prefix,
+                                                   shared_prefixes)
         with Progress("[progress.description]{task.description}", BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), console=err,
                       transient=False) as bar:
@@ -353,6 +364,7 @@ def bench(
                      "drafter_device": drafter_device,
                      "verifier_replicas": replicas,
                      "seed": seed, "shared_prefix_tokens": prefix_tokens,
+                     "shared_prefixes": shared_prefixes if prefix_tokens else 0,
                      "address": address,
                      "peers": [{"name": p.name, "url": p.url, "model": m} for p, m in peers],
                      "prompts": [{x: p[x] for x in ("id", "kind", "source")} for p in chosen]},

@@ -108,25 +108,31 @@ def load_prompts(path: Path = PROMPTS_PATH, limit: int | None = None) -> list[di
 
 
 def with_shared_prefix(prompts: list[dict], tokenizer, tokens: int,
-                       source: list[dict] | None = None) -> tuple[list[dict], int]:
+                       source: list[dict] | None = None, contexts: int = 1
+                       ) -> tuple[list[dict], int]:
     """The shared-prefix workload (``specmesh bench --shared-prefix N``): every prompt
     preceded by the same context of about ``tokens`` tokens, as chat traffic repeats a long
     system prompt or document before each short question. The context is the texts of the
     whole shipped set (``source``, default ``prompts``), in order and repeated as needed, cut
-    at the last line break within ``tokens`` tokens of ``tokenizer``. Returns (the prompts,
-    the context's length in tokens)."""
+    at the last line break within ``tokens`` tokens of ``tokenizer``. With ``contexts`` > 1
+    (``--shared-prefixes``), that many contexts, as several tenants' system prompts: context k
+    starts at text k len / ``contexts`` of the set, and prompt i goes behind context i mod
+    ``contexts``. Returns (the prompts, the shortest context's length in tokens)."""
     texts = [p["prompt"].rstrip() + "\n\n" for p in (source or prompts)]
     def count(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    context, i = "", 0
-    while len(count(context)) < tokens:
-        context += texts[i % len(texts)]
-        i += 1
-    context = tokenizer.decode(count(context)[:tokens], skip_special_tokens=True)
-    context = context[:context.rfind("\n") + 1] or context
-    shared = [{**p, "id": f"{p['id']}+prefix", "prompt": context + p["prompt"]} for p in prompts]
-    return shared, len(count(context))
+    made = []
+    for k in range(contexts):
+        context, i = "", k * len(texts) // contexts
+        while len(count(context)) < tokens:
+            context += texts[i % len(texts)]
+            i += 1
+        context = tokenizer.decode(count(context)[:tokens], skip_special_tokens=True)
+        made.append(context[:context.rfind("\n") + 1] or context)
+    shared = [{**p, "id": f"{p['id']}+prefix{'' if contexts == 1 else i % contexts}",
+               "prompt": made[i % contexts] + p["prompt"]} for i, p in enumerate(prompts)]
+    return shared, min(len(count(context)) for context in made)
 
 
 def main(out: Annotated[Path, typer.Option(

@@ -17,8 +17,13 @@ HF_NOTE = ("HF rows run at concurrency 1 only (assisted generation supports batc
 
 
 def _prefix_note(settings: dict) -> str:
-    n = settings.get("shared_prefix_tokens", 0)
-    return f" behind one shared {n}-token context (--shared-prefix)" if n else ""
+    n, contexts = settings.get("shared_prefix_tokens", 0), settings.get("shared_prefixes", 1)
+    if not n:
+        return ""
+    if contexts > 1:
+        return (f" behind {contexts} shared contexts of {n} tokens or more, one each for every "
+                f"{contexts}th prompt (--shared-prefix, --shared-prefixes)")
+    return f" behind one shared {n}-token context (--shared-prefix)"
 
 
 def per_token_alpha(records: list[dict], k: int, max_new_tokens: int) -> float | None:

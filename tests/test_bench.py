@@ -505,6 +505,25 @@ def test_shared_prefix_prompts_start_with_one_context_of_the_asked_length(tiny_p
     assert common >= n - 2
 
 
+def test_shared_prefixes_put_every_nth_prompt_behind_its_own_context(tiny_pair):
+    """--shared-prefixes 3: three contexts, each of at most the asked length, none beginning
+    as another does (no prefix block in common), prompt i behind context i mod 3."""
+    from transformers import AutoTokenizer
+
+    from specmesh.bench_prompts import with_shared_prefix
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    prompts = load_prompts(limit=7)
+    shared, n = with_shared_prefix(prompts, tokenizer, 200, source=load_prompts(), contexts=3)
+    contexts = [s["prompt"][:-len(p["prompt"])] for s, p in zip(shared, prompts, strict=True)]
+    assert [s["id"] for s in shared] == [f"{p['id']}+prefix{i % 3}"
+                                        for i, p in enumerate(prompts)]
+    assert all(contexts[i] == contexts[i % 3] for i in range(len(prompts)))
+    firsts = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in contexts[:3]]
+    assert n == min(len(ids) for ids in firsts) and all(150 <= len(ids) <= 200 for ids in firsts)
+    assert len({tuple(ids[:16]) for ids in firsts}) == 3  # three different first blocks
+
+
 def test_bench_shared_prefix_reuses_the_verifiers_prefix_cache(tiny_pair, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "bench"
