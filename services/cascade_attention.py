@@ -90,13 +90,6 @@ DENSE_MIN = 16  # queries per key head from which a shared prefix is attended by
 #                thread: 16 sessions, 32 queries a head, 5% shorter; 8 sessions 3%; 4, 3% longer)
 
 
-def _fills(queries: int, skipped: int) -> bool:
-    """Whether a group of ``queries`` a key head whose rows after the first skip ``skipped``
-    positions of the shared prefix pays for its blocks of the prefix kernel."""
-    return queries >= PREFIX_MIN_QUERIES or (queries >= PART_MIN_QUERIES
-                                             and skipped >= PART_MIN_SAVED)
-
-
 def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, sizes: Sequence[int],
                    pooled: set[int], group: int, uniform: bool, segment: int,
                    isa: str = "avx512") -> list[tuple[list[int], int]]:
@@ -117,18 +110,20 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     ``PART_MIN_SAVED``); elsewhere groups of half a block made passes slower (4 groups of 4
     demo-target sessions sharing 800 positions each: 13.8 against 11.0 ms on two threads, the
     pass layer by layer; 2 groups of 4 sharing 512: 8.3 against 7.0 on one)."""
-    full = [(idx, p) for idx, p in shared
-            if sum(sizes[b] for b in idx) * group >= PREFIX_MIN_QUERIES]
-    if len(pooled) == len(rows) and uniform and len(shared) == 1:
-        idx, p = shared[0]
-        if (len(idx) == len(rows) and len({rows[b].kv.slot // segment for b in pooled}) == 1
-                and _fills(sum(sizes) * group, (len(idx) - 1) * p)):
-            return list(shared)  # one group of every row in one segment: still one operator
-    groups = full
-    if not groups or len(pooled) < len(rows) or not uniform:
+    one_operator = uniform and len(pooled) == len(rows)
+    if (one_operator and len(shared) == 1 and len(shared[0][0]) == len(rows)
+            and len({rows[b].kv.slot // segment for b in pooled}) == 1):
+        # one group of every row in one segment: the pass stays one operator
+        (idx, p), queries = shared[0], sum(sizes) * group
+        full = queries >= PREFIX_MIN_QUERIES
+        half = queries >= PART_MIN_QUERIES and (len(idx) - 1) * p >= PART_MIN_SAVED
+        return list(shared) if full or half else []
+    groups = [(idx, p) for idx, p in shared
+              if sum(sizes[b] for b in idx) * group >= PREFIX_MIN_QUERIES]
+    if not groups or not one_operator:
         return groups  # (the rule covers passes of pooled rows of one size only)
     saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
-    return groups if saved >= SHARED_MIN_SAVED.get(isa, 200) * sum(sizes) else []
+    return groups if saved >= SHARED_MIN_SAVED[isa] * sum(sizes) else []
 
 
 def dense_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

@@ -122,17 +122,18 @@ def with_shared_prefix(prompts: list[dict], tokenizer, tokens: int,
     def count(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    made = []
+    made, lengths = [], []
     for k in range(contexts):
-        context, i = "", k * len(texts) // contexts
+        context, t = "", k * len(texts) // contexts
         while len(count(context)) < tokens:
-            context += texts[i % len(texts)]
-            i += 1
+            context += texts[t % len(texts)]
+            t += 1
         context = tokenizer.decode(count(context)[:tokens], skip_special_tokens=True)
         made.append(context[:context.rfind("\n") + 1] or context)
+        lengths.append(len(count(made[-1])))
     shared = [{**p, "id": f"{p['id']}+prefix{'' if contexts == 1 else i % contexts}",
                "prompt": made[i % contexts] + p["prompt"]} for i, p in enumerate(prompts)]
-    return shared, min(len(count(context)) for context in made)
+    return shared, min(lengths)
 
 
 def main(out: Annotated[Path, typer.Option(

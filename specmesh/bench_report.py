@@ -21,8 +21,8 @@ def _prefix_note(settings: dict) -> str:
     if not n:
         return ""
     if contexts > 1:
-        return (f" behind {contexts} shared contexts of {n} tokens or more, one each for every "
-                f"{contexts}th prompt (--shared-prefix, --shared-prefixes)")
+        return (f" behind {contexts} shared contexts of {n} tokens or more, prompt i behind "
+                f"context i mod {contexts} (--shared-prefix, --shared-prefixes)")
     return f" behind one shared {n}-token context (--shared-prefix)"
 
 
