@@ -543,3 +543,13 @@ def test_bench_shared_prefix_reuses_the_verifiers_prefix_cache(tiny_pair, tmp_pa
     md = (out / "bench.md").read_text()
     shared = report["settings"]["shared_prefix_tokens"]
     assert f"behind one shared {shared}-token context" in md and "| prefix hit |" in md
+
+
+def test_the_reports_prefix_note_names_one_context_or_several():
+    from specmesh.bench_report import _prefix_note
+
+    assert _prefix_note({"shared_prefix_tokens": 0, "shared_prefixes": 0}) == ""
+    assert _prefix_note({"shared_prefix_tokens": 790, "shared_prefixes": 1}) == (
+        " behind one shared 790-token context (--shared-prefix)")
+    assert "behind 2 shared contexts of 780 tokens or more, prompt i behind context i mod 2" in (
+        _prefix_note({"shared_prefix_tokens": 780, "shared_prefixes": 2}))
