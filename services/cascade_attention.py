@@ -79,12 +79,19 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # taking a one-operator pass layer by layer paid only further: 2 groups of 8 sessions sharing
 # 250 positions each (219 saved a token) 1.00x / 0.76x as fast as without (one / two threads),
 # sharing 400 (350) 0.91x / 0.77x, 4 groups of 8 sharing 250 0.83x; sharing 800 (700) 1.34x /
-# 0.96x, 4 groups of 8 1.38x (docs/performance.md, 2026-11-29). Per the prefix kernel's path
-# (``prefix_attention_isa``):
+# 0.96x, 4 groups of 8 1.38x (docs/performance.md, 2026-11-29). On an AVX-512 CPU (2-core
+# AMD EPYC, Zen 5, the same passes, one / two threads) one group beside rows sharing nothing
+# paid from ~175 positions a token (16 of 32 sessions sharing 500, 234 a token, 1.03x / 1.10x;
+# sharing 800, 375, 1.12x / 1.15x; 8 of 32 sharing 800, 175, 1.00x / 1.03x), but several
+# groups did not below ~500, as on AVX2: 2 groups of 8 sharing 250 (219) 0.96x / 0.79x, 400
+# (350) 1.07x / 0.96x, 800 (700) 1.25x / 1.20x; 4 groups of 8 sharing 250 0.97x / 0.94x
+# (docs/performance.md, 2026-11-29). Per the prefix kernel's path (``prefix_attention_isa``)
+# for one group, and GROUPS_MIN_SAVED for several on either path:
 PREFIX_MIN_QUERIES = 16
 PART_MIN_QUERIES = 8
 PART_MIN_SAVED = 1500
-SHARED_MIN_SAVED = {"avx512": 200, "avx2": 500}
+SHARED_MIN_SAVED = {"avx512": 200, "avx2": 500}  # one group beside rows that share nothing
+GROUPS_MIN_SAVED = 500  # several groups, on either path
 DENSE_MIN = 16  # queries per key head from which a shared prefix is attended by ``dense_lse``
 #                (in whole passes behind 800 shared positions, passes alternated on one
 #                thread: 16 sessions, 32 queries a head, 5% shorter; 8 sessions 3%; 4, 3% longer)
@@ -99,11 +106,11 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     (``PREFIX_MIN_QUERIES`` a key head, ``group`` query heads each: a smaller one pays for a
     whole block over the prefix); and where the pass could otherwise run its layers in one
     operator (every row pooled, ``pooled``, all of one size that runs so, ``uniform``), the
-    groups only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (``isa``:
-    the prefix kernel's path, whose figure applies; ``sizes``:
-    each row's new tokens; a group keeps the whole pass in the layer-by-layer path), unless
-    one group holds every row and they are in one segment (``segment`` slots each): the pass
-    then runs as one operator with the prefix attended in it, which paid even where little
+    groups only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (one group;
+    ``isa``: the prefix kernel's path, whose figure applies) or ``GROUPS_MIN_SAVED`` (several;
+    ``sizes``: each row's new tokens; a group keeps the whole pass in the layer-by-layer path),
+    unless one group holds every row and they are in one segment (``segment`` slots each): the
+    pass then runs as one operator with the prefix attended in it, which paid even where little
     is shared (16 demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a pass on
     two threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29). Such a group
     may fill half a block where its rows skip many positions (``PART_MIN_QUERIES``,
@@ -123,7 +130,9 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     if not groups or not one_operator:
         return groups  # (the rule covers passes of pooled rows of one size only)
     saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
-    return groups if saved >= SHARED_MIN_SAVED[isa] * sum(sizes) else []
+    bar = SHARED_MIN_SAVED[isa] if len(groups) == 1 else max(SHARED_MIN_SAVED[isa],
+                                                              GROUPS_MIN_SAVED)
+    return groups if saved >= bar * sum(sizes) else []
 
 
 def dense_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

@@ -1,8 +1,8 @@
 """Which groups of rows sharing a prefix attend it once (services/cascade_attention.py
 ``cascade_groups``), as pure logic: the kernel's blocks of queries, the one-operator pass's
-only group of half a block, and the positions saved a token that several groups must reach,
-per the prefix kernel's path. The passes' speed behind each rule: tests/test_lean_forward.py
-checks the paths taken, docs/performance.md the figures."""
+only group of half a block, and the positions saved a token that one group among other rows
+(per the prefix kernel's path) and several groups must reach. The passes' speed behind each
+rule: tests/test_lean_forward.py checks the paths taken, docs/performance.md the figures."""
 
 from __future__ import annotations
 
@@ -26,12 +26,23 @@ def _kept(shared, n: int, isa: str = "avx2", uniform: bool = True, sizes=None,
                           uniform=uniform, segment=SEGMENT, isa=isa)
 
 
-@pytest.mark.parametrize("isa, kept", [("avx512", True), ("avx2", False)])
-def test_two_full_groups_saving_350_positions_a_token_pay_on_avx512_only(isa, kept):
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_two_full_groups_saving_350_positions_a_token_do_not_pay_on_either_path(isa):
     """Two groups of 8 one-token rows (16 queries a key head each) sharing 400 positions each:
-    2 x 7 x 400 / 16 = 350 saved a token, over the AVX-512 path's 200 and under AVX2's 500."""
+    2 x 7 x 400 / 16 = 350 saved a token, under the 500 that several groups must save."""
     shared = [(list(range(8)), 400), (list(range(8, 16)), 400)]
-    assert _kept(shared, 16, isa) == (shared if kept else [])
+    assert _kept(shared, 16, isa) == []
+
+
+@pytest.mark.parametrize("isa, kept", [("avx512", True), ("avx2", False)])
+def test_one_full_group_beside_rows_sharing_nothing_needs_200_on_avx512(isa, kept):
+    """16 one-token rows sharing 500 positions among 32: 15 x 500 / 32 = 234 saved a token,
+    over the AVX-512 path's 200 for one group and under AVX2's 500; the same saving split
+    over two groups is not kept on either path."""
+    one = [(list(range(16)), 500)]
+    assert _kept(one, 32, isa) == (one if kept else [])
+    two = [(list(range(8)), 1000), (list(range(8, 16)), 1000)]  # 2 x 7 x 1000 / 32 = 437
+    assert _kept(two, 32, isa) == []
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
