@@ -86,7 +86,15 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # groups did not below ~500, as on AVX2: 2 groups of 8 sharing 250 (219) 0.96x / 0.79x, 400
 # (350) 1.07x / 0.96x, 800 (700) 1.25x / 1.20x; 4 groups of 8 sharing 250 0.97x / 0.94x
 # (docs/performance.md, 2026-11-29). Per the prefix kernel's path (``prefix_attention_isa``)
-# for one group, and GROUPS_MIN_SAVED for several on either path:
+# for one group, and GROUPS_MIN_SAVED for several on either path. Several groups that hold
+# every row of a one-operator pass, in one segment, each filling a block, keep it one
+# operator (``joint_plan``) whatever they save: on the Zen 5, 2 groups of 8 sessions sharing
+# 250 / 400 / 800 positions each ran 1.13x / 1.24x / 1.45x as fast as without on one thread
+# (2 groups of 8 sharing 16 or 64, 1.00x), and with the groups' sessions in alternate slots,
+# as a replica's arrivals leave them, 1.25x / 1.46x on one thread and 1.06x / 1.09x on two
+# (the operator's threads take 8 rows each, so each group's prefix is read by both); four
+# groups of four (half a block) so lost on two threads, 0.81x sharing 800, and are not kept
+# (docs/performance.md, 2026-11-29):
 PREFIX_MIN_QUERIES = 16
 PART_MIN_QUERIES = 8
 PART_MIN_SAVED = 1500
@@ -109,22 +117,28 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     groups only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (one group;
     ``isa``: the prefix kernel's path, whose figure applies) or ``GROUPS_MIN_SAVED`` (several;
     ``sizes``: each row's new tokens; a group keeps the whole pass in the layer-by-layer path),
-    unless one group holds every row and they are in one segment (``segment`` slots each): the
-    pass then runs as one operator with the prefix attended in it, which paid even where little
-    is shared (16 demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a pass on
-    two threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29). Such a group
-    may fill half a block where its rows skip many positions (``PART_MIN_QUERIES``,
-    ``PART_MIN_SAVED``); elsewhere groups of half a block made passes slower (4 groups of 4
-    demo-target sessions sharing 800 positions each: 13.8 against 11.0 ms on two threads, the
-    pass layer by layer; 2 groups of 4 sharing 512: 8.3 against 7.0 on one)."""
+    unless the groups hold every row and they are in one segment (``segment`` slots each): the
+    pass then runs as one operator with each group's prefix attended in it (``joint_plan``
+    for several), which paid even where little is shared (16 demo-target sessions sharing 150
+    positions: 4.85 against 4.92 ms a pass on two threads, 7.57 against 8.23 on one;
+    docs/performance.md, 2026-11-29), where each fills a block. An only group may fill half a
+    block where its rows skip many positions (``PART_MIN_QUERIES``, ``PART_MIN_SAVED``);
+    elsewhere groups of half a block made passes slower (4 groups of 4 demo-target sessions
+    sharing 800 positions each: 13.8 against 11.0 ms on two threads, the pass layer by layer;
+    2 groups of 4 sharing 512: 8.3 against 7.0 on one; in one operator, their sessions in
+    alternate slots, 5.48 against 4.46 ms on two threads)."""
     one_operator = uniform and len(pooled) == len(rows)
-    if (one_operator and len(shared) == 1 and len(shared[0][0]) == len(rows)
+    if (one_operator and sum(len(idx) for idx, _ in shared) == len(rows)
             and len({rows[b].kv.slot // segment for b in pooled}) == 1):
-        # one group of every row in one segment: the pass stays one operator
-        (idx, p), queries = shared[0], sum(sizes) * group
-        full = queries >= PREFIX_MIN_QUERIES
-        half = queries >= PART_MIN_QUERIES and (len(idx) - 1) * p >= PART_MIN_SAVED
-        return list(shared) if full or half else []
+        # groups of every row in one segment: the pass stays one operator where each group
+        # fills a block (an only group: or half of one over enough positions its rows skip)
+        queries = [sum(sizes[b] for b in idx) * group for idx, _ in shared]
+        if min(queries) >= PREFIX_MIN_QUERIES:
+            return list(shared)
+        if len(shared) == 1:
+            (idx, p), = shared
+            half = queries[0] >= PART_MIN_QUERIES and (len(idx) - 1) * p >= PART_MIN_SAVED
+            return list(shared) if half else []
     groups = [(idx, p) for idx, p in shared
               if sum(sizes[b] for b in idx) * group >= PREFIX_MIN_QUERIES]
     if not groups or not one_operator:
@@ -133,6 +147,26 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     bar = SHARED_MIN_SAVED[isa] if len(groups) == 1 else max(SHARED_MIN_SAVED[isa],
                                                               GROUPS_MIN_SAVED)
     return groups if saved >= bar * sum(sizes) else []
+
+
+def joint_plan(rows: Sequence, groups: Sequence[tuple[list[int], int]], pooled: set[int],
+               starts: Sequence[int], pool, group: int, device: torch.device
+               ) -> tuple[PooledRows, torch.Tensor] | None:
+    """Where several groups (``cascade_groups``' choice) hold every row of the pass, pooled
+    in one segment, in their slots' order, all of one size: one plan of all the rows from the
+    groups' shortest prefix on, and each row's group [rows] (int64), for the pass as one
+    operator with each group's prefix attended in it (services/uniform_pass.py ``run``).
+    None elsewhere (the groups' own plans then run layer by layer)."""
+    if (len(groups) < 2 or len(pooled) != len(rows)
+            or sum(len(idx) for idx, _ in groups) != len(rows)):
+        return None
+    plans = ragged_attention.plan(rows, range(len(rows)), starts, pool, group, device,
+                                  min(p for _, p in groups), kernel=True)
+    T = sum(len(r.tokens) for r in rows)
+    if len(plans) != 1 or not plans[0].aligned or plans[0].span != slice(0, T):
+        return None
+    group_of = {b: g for g, (idx, _) in enumerate(groups) for b in idx}
+    return plans[0], torch.tensor([group_of[b] for b in plans[0].rows], device=device)
 
 
 def dense_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -205,8 +239,13 @@ def cascade_plan(rows: Sequence, idx: Sequence[int], shared: int, starts: Sequen
 def shared_part(c: Cascade, layer: int, rows: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's shared keys and values in ``layer``, [KV, shared, D] each: its first
     row's copy (every row's holds the same)."""
-    first = rows[c.rows[0]].kv.layers[layer]
-    return first.keys[0, :, :c.shared], first.values[0, :, :c.shared]
+    return first_positions(rows[c.rows[0]], layer, c.shared)
+
+
+def first_positions(row, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's first ``count`` keys and values in ``layer``, [KV, count, D] each (views)."""
+    cache = row.kv.layers[layer]
+    return cache.keys[0, :, :count], cache.values[0, :, :count]
 
 
 def _rests_alone(c: Cascade, layer: int, rows: Sequence, starts: Sequence[int],

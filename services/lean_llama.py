@@ -388,13 +388,17 @@ class LeanLlama(torch.nn.Module):
             return None if masks[b] is None else torch.zeros(
                 masks[b][:, p:].shape, device=dev).masked_fill_(~masks[b][:, p:], float("-inf"))
 
+        # several groups holding every row: one plan for the pass as one operator
+        joint = cascade_attention.joint_plan(rows, groups, pooled, starts, self.pool, H // KV, dev) if (
+            self.kernel_prefix and self.kernel_attention and self.kernel_rope
+            and self._uniform(T)) else None
         plans = ragged_attention.plan(rows, sorted(pooled - grouped), starts, self.pool,
                                       H // KV, dev, kernel=self.kernel_attention)
         cascades = [cascade_attention.cascade_plan(rows, idx, p, starts, pooled, self.pool,
                                                   H // KV, dev, lambda b, p=p: rest_mask(b, p),
                                                   self.kernel_attention,
                                                   self.kernel_attention and self.kernel_prefix)
-                    for idx, p in groups]
+                    for idx, p in groups] if joint is None else []
         # one segment's call attends every token of the pass, in order: its output is the
         # layer's attention as it comes (a decode pass of one stream, rows in slot order)
         whole = len(plans) == 1 and plans[0].span == slice(0, T)
@@ -407,16 +411,25 @@ class LeanLlama(torch.nn.Module):
         # (one segment: every decode and verify pass of one stream): each segment's part runs
         # all of its layers as one operator (rows do not mix within a layer)
         # (so does one cascade group's, its shared prefix attended in the same operator)
-        parts = plans if not cascades else solo.pooled if solo is not None else None
+        # (and several groups' calls, that hold every row: ``joint``)
+        parts = ([joint[0]] if joint is not None else plans if not cascades
+                 else solo.pooled if solo is not None else None)
         one_op = (self.kernel_rope and parts is not None and parts_in_order(parts, T)
                   and all(self._uniform(p.span.stop - p.span.start) for p in parts))
         if fused or one_op:
             cos_t, sin_t = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # [T, D]
         if one_op:
-            prefix = () if solo is None else [cascade_attention.shared_part(solo, i, rows)
-                                              for i in range(len(self.layers))]
+            prefix, prefix_of = (), None
+            if solo is not None:
+                prefix = [[cascade_attention.shared_part(solo, i, rows)]
+                          for i in range(len(self.layers))]
+            elif joint is not None:
+                p, prefix_of = joint
+                prefix = [[cascade_attention.first_positions(rows[idx[0]], i, p.since)
+                           for idx, _ in groups] for i in range(len(self.layers))]
             outs = [self.uniform_pass.run(x[:, p.span], p, self.pool.segments[p.segment],
-                                          cos_t[p.span], sin_t[p.span], prefix) for p in parts]
+                                          cos_t[p.span], sin_t[p.span], prefix, prefix_of)
+                    for p in parts]
             x = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         for i, w in enumerate(self.layers if not one_op else ()):
             if fused:  # rotate, split and write the keys and values in one operator
@@ -448,7 +461,8 @@ class LeanLlama(torch.nn.Module):
             for c in cascades:  # one call over each shared prefix, its rows' rests apart
                 attn[:, c.tok] = cascade_attention.cascade(c, i, rows, starts, self.pool, q, k, v)
             x = self.finish_layer(x, attn.transpose(0, 1).reshape(1, T, H * D), w)
-        ragged_attention.advance(rows, plans + [p for c in cascades for p in c.pooled])
+        ragged_attention.advance(rows, plans + [p for c in cascades for p in c.pooled]
+                                 + ([joint[0]] if joint is not None else []))
         logits = self.head(x[:, wanted])[0].float()  # [K, V]
         return list(logits.split([r.keep for r in rows]))
 

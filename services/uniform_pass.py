@@ -16,7 +16,8 @@ decode pass of the demo target ran ~12% shorter with it, a 4-token verify ~19%
 the weights read once a part. A pass whose rows all share one prefix (one cascade group,
 services/cascade_attention.py) runs so too, the operator given each layer's prefix: each
 row's queries attend it in ``prefix_attention`` and merge with their rests, the layer loop's
-floats.
+floats; so does one whose rows fall in several such groups (``joint_plan``), each group's
+queries attending its own prefix in a call of their own.
 
 Calls join a replica's running batch in the order they arrive, which after the first wave of
 requests is not their slots' order: ``slot_order`` says how to take a pass's rows so that
@@ -47,13 +48,15 @@ class UniformPass:
 
     def run(self, x: torch.Tensor, p, segment: Sequence[tuple[torch.Tensor, torch.Tensor]],
             cos: torch.Tensor, sin: torch.Tensor,
-            prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+            prefix: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]] = (),
+            prefix_of: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer over x [1, T, h] for the rows of ``p`` (their one pooled plan, whose
         rows are ``aligned``), their keys and values written into the segment's buffers
         (``segment``: per layer keys, values [S, KV, slot_len, D]); cos, sin [T, D].
-        ``prefix``: per layer the shared prefix [KV, p.since, D] every row's cache begins
-        with (one cascade group: the rows attend it in ``prefix_attention``), or none.
-        Returns the last layer's output [1, T, h]."""
+        ``prefix``: none, or per layer each cascade group's shared prefix [KV, p.since, D]
+        (keys, values), which its rows' caches begin with: the rows attend it in
+        ``prefix_attention``; with several groups, ``prefix_of`` [rows] (int64) holds each
+        row's. Returns the last layer's output [1, T, h]."""
         H, KV, D = self._heads, self._kv_heads, self._head_dim
         ln1, qkv, o, ln2, gate_up, down = self.weights
         return torch.ops.specmesh_cpu.dense_layers(
@@ -61,7 +64,8 @@ class UniformPass:
             [b[0] for b in segment], [b[1] for b in segment], cos, sin, H, KV, self._eps,
             D ** -0.5, p.slot, p.pos, p.lo, p.width, p.since, p.keys, p.last,
             p.rel if p.width == 1 else p.rel[::p.width].contiguous(),
-            [k for k, _ in prefix], [v for _, v in prefix])[None]
+            [k for layer in prefix for k, _ in layer], [v for layer in prefix for _, v in layer],
+            p.pos.new_empty(0) if prefix_of is None else prefix_of)[None]
 
 
     def drafts(self, x: torch.Tensor, p, segment: Sequence[tuple[torch.Tensor, torch.Tensor]],

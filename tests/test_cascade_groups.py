@@ -1,7 +1,8 @@
 """Which groups of rows sharing a prefix attend it once (services/cascade_attention.py
 ``cascade_groups``), as pure logic: the kernel's blocks of queries, the one-operator pass's
-only group of half a block, and the positions saved a token that one group among other rows
-(per the prefix kernel's path) and several groups must reach. The passes' speed behind each
+groups of half a block, groups that hold every row of such a pass, and the positions saved a
+token that one group among other rows (per the prefix kernel's path) and several groups must
+reach. The passes' speed behind each
 rule: tests/test_lean_forward.py checks the paths taken, docs/performance.md the figures."""
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ def _kept(shared, n: int, isa: str = "avx2", uniform: bool = True, sizes=None,
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_two_full_groups_saving_350_positions_a_token_do_not_pay_on_either_path(isa):
-    """Two groups of 8 one-token rows (16 queries a key head each) sharing 400 positions each:
-    2 x 7 x 400 / 16 = 350 saved a token, under the 500 that several groups must save."""
-    shared = [(list(range(8)), 400), (list(range(8, 16)), 400)]
-    assert _kept(shared, 16, isa) == []
+def test_two_full_groups_beside_others_saving_350_positions_a_token_do_not_pay(isa):
+    """Two groups of 8 one-token rows (16 queries a key head each) sharing 480 positions each,
+    beside 4 rows that share nothing: 2 x 7 x 480 / 20 = 336 saved a token, under the 500 that
+    several groups taking the pass layer by layer must save."""
+    shared = [(list(range(8)), 480), (list(range(8, 16)), 480)]
+    assert _kept(shared, 20, isa) == []
 
 
 @pytest.mark.parametrize("isa, kept", [("avx512", True), ("avx2", False)])
@@ -46,9 +48,24 @@ def test_one_full_group_beside_rows_sharing_nothing_needs_200_on_avx512(isa, kep
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_two_full_groups_saving_700_a_token_pay_on_either_path(isa):
+def test_two_full_groups_beside_others_saving_560_a_token_pay_on_either_path(isa):
     shared = [(list(range(8)), 800), (list(range(8, 16)), 800)]
-    assert _kept(shared, 16, isa) == shared
+    assert _kept(shared, 20, isa) == shared
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_groups_holding_every_row_of_a_one_operator_pass_are_kept_whatever_they_save(isa):
+    """Two groups of 8 sharing only 64 positions each (56 saved a token) that hold every row,
+    in one segment: the pass stays one operator with each group's prefix in it, so they are
+    kept; not four groups of four (half a block each, which on two threads took such passes
+    longer) even where they skip 1,536 positions each, nor groups whose rows lie in two
+    segments."""
+    two = [(list(range(8)), 64), (list(range(8, 16)), 64)]
+    assert _kept(two, 16, isa) == two
+    halves = [(list(range(4 * g, 4 * g + 4)), 512) for g in range(4)]
+    assert _kept(halves, 16, isa) == []
+    apart = list(range(8)) + [SEGMENT + s for s in range(8)]
+    assert _kept(two, 16, isa, slots=apart) == []
 
 
 @pytest.mark.parametrize("prefix, kept", [(512, True), (304, False)])
@@ -62,11 +79,12 @@ def test_a_one_operator_passs_only_group_of_half_a_block_pays_where_it_skips_eno
 
 
 def test_half_a_block_is_not_enough_for_a_group_beside_others_or_across_segments():
-    """Two groups of four sharing 512 each take the pass layer by layer: neither is kept; nor
-    is a lone group of four whose rows lie in two pool segments (no one-operator pass), nor one
-    in a pass of rows of different sizes; a full block there is kept as before."""
+    """Two groups of four sharing 512 each beside rows that share nothing take the pass layer
+    by layer: neither is kept; nor is a lone group of four whose rows lie in two pool segments
+    (no one-operator pass), nor one in a pass of rows of different sizes; a full block there
+    is kept as before."""
     two = [(list(range(4)), 512), (list(range(4, 8)), 512)]
-    assert _kept(two, 8) == []
+    assert _kept(two, 10) == []
     one = [(list(range(4)), 512)]
     assert _kept(one, 4, slots=[0, 1, SEGMENT, SEGMENT + 1]) == []
     assert _kept(one, 4, uniform=False) == []

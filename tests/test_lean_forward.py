@@ -722,9 +722,10 @@ def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, p
     (the demo target has two query heads a key head: eight one-token rows), or, as a pass's
     only group, holding every row, half of one where its rows after the first skip 1,500
     positions of the prefix together (four rows sharing 512 positions skip 1,536; sharing
-    304, 912: no group; two such fours: none either), and, where the
-    pass could run its layers as one operator, only when the groups save 200 positions
-    (rows after each group's first times its prefix) a token of the pass: pairs, and eight
+    304, 912: no group; two such fours: none either), and, where the pass could run its
+    layers as one operator, only when the
+    groups save 200 positions (rows after each group's first times its prefix) a token of
+    the pass (one group on the AVX-512 path; 500 on AVX2 or for several): pairs, and eight
     of sixteen rows sharing 160 positions (70 a token), run ``dense_layers``; eight sharing
     400 (350 a token) keep their group, which as the pass's only rows, in one segment, runs
     as one operator with the prefix attended in it, and so do sixteen sharing 160 (150 a

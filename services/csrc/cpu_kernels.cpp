@@ -500,7 +500,7 @@ TORCH_LIBRARY(specmesh_cpu, m) {
         "Tensor[] gate_up, int gu_n, Tensor[] down, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor cos, "
         "Tensor ssin, int heads, int kv_heads, float eps, float scale, Tensor slot, Tensor pos, int lo, "
         "int width, int since, int keys_end, Tensor last, Tensor rows_at, Tensor[] prefix_keys, "
-        "Tensor[] prefix_values) -> Tensor", &dense_layers);
+        "Tensor[] prefix_values, Tensor prefix_of) -> Tensor", &dense_layers);
   m.def("greedy_drafts(Tensor x, Tensor[] ln1, Tensor[] qkv, int qkv_n, Tensor[] o, Tensor[] ln2, "
         "Tensor[] gate_up, int gu_n, Tensor[] down, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor cos, "
         "Tensor ssin, int heads, int kv_heads, float eps, float scale, Tensor slot, Tensor pos, int lo, "

@@ -41,7 +41,8 @@ at::Tensor greedy_drafts(at::Tensor x, at::TensorList ln1, at::TensorList qkv, i
   auto out = at::empty({rows, steps}, pos.options());
   for (int64_t s = 0;; ++s) {
     x = dense_layers(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads, kv_heads, eps,
-                     scale, slot, pos, lo, width, 0, keys_end, last, rows_at, {}, {});
+                     scale, slot, pos, lo, width, 0, keys_end, last, rows_at, {}, {},
+                     at::empty({0}, pos.options()));
     const auto ends = x.view({rows, width, h}).select(1, width - 1);  // [rows, h]: each row's last token
     const auto next = argmax_rows(half_linear(rms_norm(ends, norm, eps), head, vocab, ""), "");  // [rows]
     out.select(1, s).copy_(next);

@@ -44,7 +44,10 @@ at::Tensor norm_qkv_store(const at::Tensor& x, const at::Tensor& ln1, double eps
 // prefix_keys, prefix_values: none, or per layer a shared prefix [KV, since, D] that every row's
 // cache begins with (services/cascade_attention.py): the rows' own queries then attend it and
 // merge with what they attended from ``since`` on in ``prefix_attention``, as the layer loop
-// does for such a pass. Returns the last layer's output [T, h].
+// does for such a pass. Or ``groups`` such prefixes a layer (layer i's group g at i groups + g),
+// where the rows fall in groups that each share their own (several system prompts): prefix_of
+// [rows] holds each row's group, and each group's queries attend its prefix in a call of their
+// own (empty prefix_of: one group). Returns the last layer's output [T, h].
 namespace {
 
 constexpr int64_t kGroupTokens = 8;  // tokens of a group of rows on more than one thread
@@ -57,10 +60,13 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
                        int64_t heads, int64_t kv_heads, double eps, double scale, const at::Tensor& slot,
                        const at::Tensor& pos, int64_t lo, int64_t width, int64_t since, int64_t keys_end,
                        const at::Tensor& last, const at::Tensor& rows_at, at::TensorList prefix_keys,
-                       at::TensorList prefix_values) {
+                       at::TensorList prefix_values, const at::Tensor& prefix_of) {
   const int64_t T = x.size(0), D = qkv_n / (heads + 2 * kv_heads), G = heads / kv_heads;
   const int64_t rows = T / width, n = last.size(0);
   const bool gaps = n != rows;
+  const int64_t groups = prefix_keys.empty() ? 0 : static_cast<int64_t>(prefix_keys.size() / ln1.size());
+  std::vector<at::Tensor> members;  // with several groups: each one's rows among these (none: skipped)
+  for (int64_t g = 0; groups > 1 && g < groups; ++g) members.push_back(at::nonzero(prefix_of == g).view(-1));
   const auto span = [&](const at::Tensor& b) { return b.narrow(0, lo, n).narrow(2, since, keys_end - since); };
   const auto grouped = [&](const at::Tensor& t, int64_t count) {  // [count, width, H, D] -> [count, KV, G width, D]
     return t.transpose(1, 2).contiguous().view({count, kv_heads, G * width, D});
@@ -73,9 +79,19 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
         gaps ? at::zeros({n, width, heads, D}, q.options()).index_copy_(0, rows_at, queries) : queries, n);
     auto [out, lse] = pooled_attention(padded, span(keys[i]), span(values[i]), last, since, scale);
     if (gaps) out = out.index_select(0, rows_at);
-    if (!prefix_keys.empty()) {  // the rows' own queries over the prefix, merged with their rests
+    if (groups == 1) {  // the rows' own queries over the prefix, merged with their rests
       out = prefix_attention(gaps ? grouped(queries, rows) : padded, prefix_keys[i], prefix_values[i], out,
                              gaps ? lse.index_select(0, rows_at) : lse, scale, "");
+    } else if (groups > 1) {  // each group's rows over their own prefix
+      const auto mine = gaps ? grouped(queries, rows) : padded;
+      const auto rest_lse = gaps ? lse.index_select(0, rows_at) : lse;
+      for (int64_t g = 0; g < groups; ++g) {
+        const auto& at_g = members[g];
+        if (at_g.numel() == 0) continue;
+        out.index_copy_(0, at_g, prefix_attention(mine.index_select(0, at_g), prefix_keys[i * groups + g],
+                                                  prefix_values[i * groups + g], out.index_select(0, at_g),
+                                                  rest_lse.index_select(0, at_g), scale, ""));
+      }
     }
     const auto attn = out.view({rows, heads, width, D}).transpose(1, 2).reshape({T, heads * D});
     x = mlp_tail(x, attn, o[i], ln2[i], eps, gate_up[i], gu_n, down[i]);
@@ -91,12 +107,20 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
                         const at::Tensor& cos, const at::Tensor& ssin, int64_t heads, int64_t kv_heads,
                         double eps, double scale, const at::Tensor& slot, const at::Tensor& pos, int64_t lo,
                         int64_t width, int64_t since, int64_t keys_end, const at::Tensor& last,
-                        const at::Tensor& rows_at, at::TensorList prefix_keys, at::TensorList prefix_values) {
+                        const at::Tensor& rows_at, at::TensorList prefix_keys, at::TensorList prefix_values,
+                        const at::Tensor& prefix_of) {
   const size_t layers = ln1.size();
   for (const auto* list : {&qkv, &o, &ln2, &gate_up, &down, &keys, &values})
     TORCH_CHECK(list->size() == layers, "dense_layers: one weight and buffer of each kind a layer");
-  TORCH_CHECK(prefix_keys.size() == prefix_values.size() && (prefix_keys.empty() || prefix_keys.size() == layers),
-              "dense_layers: prefix_keys and prefix_values must be empty or one [KV, since, D] a layer");
+  TORCH_CHECK(prefix_keys.size() == prefix_values.size() && prefix_keys.size() % layers == 0,
+              "dense_layers: prefix_keys and prefix_values must be empty or groups [KV, since, D] a layer");
+  const int64_t prefixes = static_cast<int64_t>(prefix_keys.size() / layers);
+  TORCH_CHECK(prefixes <= 1 ? prefix_of.numel() == 0
+                          : prefix_of.dim() == 1 && prefix_of.scalar_type() == at::kLong &&
+                                prefix_of.numel() == x.size(0) / std::max<int64_t>(width, 1) &&
+                                prefix_of.min().item<int64_t>() >= 0 && prefix_of.max().item<int64_t>() < prefixes,
+              "dense_layers: prefix_of must be empty for one prefix, else each row's group [rows] (int64, "
+              "0..groups - 1) for several");
   for (size_t i = 0; i < prefix_keys.size(); ++i)
     TORCH_CHECK(prefix_keys[i].dim() == 3 && prefix_keys[i].size(1) == since,
                 "dense_layers: a layer's prefix must be [KV, since, D]: its rows' positions before since");
@@ -122,7 +146,7 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
   if (at::get_num_threads() <= 1 || at::in_parallel_region() || groups < 2)
     return layers_over(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
                        kv_heads, eps, scale, slot, pos, lo, width, since, keys_end, last, rows_at, prefix_keys,
-                       prefix_values);
+                       prefix_values, prefix_of);
   const auto at_cpu = rows_at.to(at::kLong).contiguous();
   const int64_t* where = at_cpu.data_ptr<int64_t>();
   auto result = at::empty_like(x);
@@ -138,7 +162,8 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
       result.narrow(0, t0, tn).copy_(layers_over(
           sub(x), ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, sub(cos), sub(ssin), heads,
           kv_heads, eps, scale, sub(slot), sub(pos), lo + first, width, since, keys_end,
-          last.narrow(0, first, final - first + 1), at_rows, prefix_keys, prefix_values));
+          last.narrow(0, first, final - first + 1), at_rows, prefix_keys, prefix_values,
+          prefixes > 1 ? prefix_of.narrow(0, j0, j1 - j0) : prefix_of));
     });
   });
   return result;
