@@ -91,10 +91,10 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # operator (``joint_plan``) whatever they save: on the Zen 5, 2 groups of 8 sessions sharing
 # 250 / 400 / 800 positions each ran 1.13x / 1.24x / 1.45x as fast as without on one thread
 # (2 groups of 8 sharing 16 or 64, 1.00x), and with the groups' sessions in alternate slots,
-# as a replica's arrivals leave them, 1.25x / 1.46x on one thread and 1.06x / 1.09x on two
-# (the operator's threads take 8 rows each, so each group's prefix is read by both); four
-# groups of four (half a block) so lost on two threads, 0.81x sharing 800, and are not kept
-# (docs/performance.md, 2026-11-29):
+# as a replica's arrivals leave them, 1.10x / 1.22x / 1.51x on two threads (each thread then
+# takes one group's rows: services/csrc/layer_parts.h); four groups of four (half a block)
+# lost on two threads, 0.80x sharing 512, 1.03x sharing 800 (each group's claim reads every
+# weight for its 4 rows), and are not kept (docs/performance.md, 2026-11-29):
 PREFIX_MIN_QUERIES = 16
 PART_MIN_QUERIES = 8
 PART_MIN_SAVED = 1500
@@ -125,8 +125,8 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     block where its rows skip many positions (``PART_MIN_QUERIES``, ``PART_MIN_SAVED``);
     elsewhere groups of half a block made passes slower (4 groups of 4 demo-target sessions
     sharing 800 positions each: 13.8 against 11.0 ms on two threads, the pass layer by layer;
-    2 groups of 4 sharing 512: 8.3 against 7.0 on one; in one operator, their sessions in
-    alternate slots, 5.48 against 4.46 ms on two threads)."""
+    2 groups of 4 sharing 512: 8.3 against 7.0 on one; in one operator, 4 groups of 4
+    sharing 512, their sessions in alternate slots, 4.77 against 3.79 ms on two threads)."""
     one_operator = uniform and len(pooled) == len(rows)
     if (one_operator and sum(len(idx) for idx, _ in shared) == len(rows)
             and len({rows[b].kv.slot // segment for b in pooled}) == 1):

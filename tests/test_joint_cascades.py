@@ -27,13 +27,15 @@ def lean():
     return lean
 
 
-def _sessions(lean, lengths: tuple[int, int], gap: bool) -> list[list]:
-    """17 sessions: 9 behind a prompt of lengths[0] tokens, 8 behind another of lengths[1],
-    each with a few tokens of its own ([cache, length, group] each); with ``gap`` the fifth
-    is left out, its slot held between the others'."""
+def _sessions(lean, lengths: tuple[int, int], gap: bool, alternate: bool = False
+              ) -> list[list]:
+    """17 sessions: 9 behind a prompt of lengths[0] tokens, 8 behind another of lengths[1]
+    (the first nine, or with ``alternate`` every other one, as arrivals leave them), each
+    with a few tokens of its own ([cache, length, group] each); with ``gap`` the fifth is
+    left out, its slot held between the others'."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 8000, (n,), generator=g).tolist() for n in lengths]
-    groups = [0] * 9 + [1] * 8
+    groups = [b % 2 for b in range(17)] if alternate else [0] * 9 + [1] * 8
     fed = _fed(lean, [prompts[grp] + torch.randint(0, 8000, (4 + 3 * b,), generator=g).tolist()
                       for b, grp in enumerate(groups)])
     return [[*c, grp] for i, (c, grp) in enumerate(zip(fed, groups, strict=True))
@@ -59,21 +61,25 @@ def _pass(lean, caches: list[list], step: int, lengths: tuple[int, int], one_op:
     return logits, {e.key: e.count for e in prof.key_averages()}
 
 
-@pytest.mark.parametrize("threads, gap, width", [(1, False, 1), (2, False, 1), (2, True, 1),
-                                                 (2, True, 2)],
-                         ids=["one-thread", "two-threads", "two-threads-and-a-gap",
-                              "two-token-rows"])
+@pytest.mark.parametrize("threads, gap, width, alternate", [
+    (1, False, 1, False), (2, False, 1, False), (2, True, 1, False), (2, True, 2, False),
+    (1, False, 1, True), (2, False, 1, True), (2, True, 2, True)],
+    ids=["one-thread", "two-threads", "two-threads-and-a-gap", "two-token-rows",
+         "alternate-slots-one-thread", "alternate-slots-two-threads",
+         "alternate-slots-two-token-rows-and-a-gap"])
 def test_two_groups_behind_their_own_prompts_run_as_one_operator_with_the_same_floats(
-        lean, threads, gap, width):
+        lean, threads, gap, width, alternate):
     """Two groups of 8-9 sessions behind two 400-token prompts: over three decode steps one
     ``dense_layers`` call a pass (no ``prefix_attention`` from Python), the very logits and
     cache contents of the layer loop, which attends each group's prefix in a call of its
-    own, on one thread and on two (the operator's groups of rows then cut across the
-    prompts' groups), with a session at rest holding a slot between the rows, and with rows
-    of two tokens (verify rows; 16 of them, the 32 tokens a one-operator pass takes)."""
+    own, on one thread and on two (each thread then takes one group's rows, wherever their
+    slots lie), with the groups' sessions in alternate slots, with a session at rest holding
+    a slot between the rows, and with rows of two tokens (verify rows; 16 of them, the 32
+    tokens a one-operator pass takes)."""
     own, count = lean._uniform, torch.get_num_threads()
     lengths = (400, 400)
-    one, layered = _sessions(lean, lengths, gap), _sessions(lean, lengths, gap)
+    one = _sessions(lean, lengths, gap, alternate)
+    layered = _sessions(lean, lengths, gap, alternate)
     try:
         torch.set_num_threads(threads)
         for step in range(3):

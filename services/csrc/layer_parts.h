@@ -99,6 +99,61 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
   return x;
 }
 
+// dense_layers' layers where the rows fall in several prefix groups, on more than one thread:
+// a claim takes rows of one group (at most ``cap``), wherever they lie in the window, so each
+// claim reads its group's prefix once a layer for all of its queries; rows of the window outside
+// the claim see no keys (their last position before since) and their outputs are dropped. A
+// group's rows in alternate slots, split into runs of kGroupTokens rows, had each run read every
+// group's prefix for a few queries: two groups of 8 demo-target sessions sharing 800 positions
+// ran 1.09x as fast as without their prefixes on two threads (1.46x on one), now 1.51x; sharing
+// 400, 1.06x, now 1.22x (docs/performance.md, 2026-11-29).
+at::Tensor layers_by_prefix(const at::Tensor& x, at::TensorList ln1, at::TensorList qkv, int64_t qkv_n,
+                            at::TensorList o, at::TensorList ln2, at::TensorList gate_up, int64_t gu_n,
+                            at::TensorList down, at::TensorList keys, at::TensorList values, const at::Tensor& cos,
+                            const at::Tensor& ssin, int64_t heads, int64_t kv_heads, double eps, double scale,
+                            const at::Tensor& slot, const at::Tensor& pos, int64_t lo, int64_t width, int64_t since,
+                            int64_t keys_end, const at::Tensor& last, const at::Tensor& rows_at,
+                            at::TensorList prefix_keys, at::TensorList prefix_values, const at::Tensor& prefix_of,
+                            int64_t cap) {
+  const int64_t rows = x.size(0) / width, n = last.size(0), layers = static_cast<int64_t>(ln1.size());
+  const int64_t prefixes = static_cast<int64_t>(prefix_keys.size()) / layers;
+  const auto at_cpu = (n != rows ? rows_at : at::arange(rows, rows_at.options())).to(at::kLong).contiguous();
+  std::vector<at::Tensor> claims;  // each claim's rows (indices into the pass's rows)
+  std::vector<int64_t> claim_group;
+  for (int64_t g = 0; g < prefixes; ++g) {
+    const auto mine = at::nonzero(prefix_of == g).view(-1);
+    for (int64_t j = 0; j < mine.numel(); j += cap) {
+      claims.push_back(mine.narrow(0, j, std::min(cap, mine.numel() - j)));
+      claim_group.push_back(g);
+    }
+  }
+  auto result = at::empty_like(x);
+  const at::ThreadLocalState caller;  // inference mode, on the threads that take claims too
+  parallel_claims(static_cast<int64_t>(claims.size()), [&](const auto& each) {
+    const at::ThreadLocalStateGuard same(caller);
+    each([&](int64_t c, int64_t) {
+      const auto& mine = claims[c];
+      const int64_t g = claim_group[c];
+      const auto slots = at_cpu.index_select(0, mine);  // each row's slot in the window, ascending
+      const int64_t first = slots.min().item<int64_t>(), final = slots.max().item<int64_t>();
+      const auto toks = (mine.unsqueeze(1) * width + at::arange(width, mine.options())).view(-1);
+      const auto sub = [&](const at::Tensor& t) { return t.index_select(0, toks); };
+      auto seen = at::full({final - first + 1, last.size(1)}, since - 1, last.options());
+      seen.index_copy_(0, slots - first, last.index_select(0, slots));
+      std::vector<at::Tensor> pk, pv;
+      for (int64_t i = 0; i < layers; ++i) {
+        pk.push_back(prefix_keys[i * prefixes + g]);
+        pv.push_back(prefix_values[i * prefixes + g]);
+      }
+      result.index_copy_(0, toks, layers_over(sub(x), ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values,
+                                              sub(cos), sub(ssin), heads, kv_heads, eps, scale, sub(slot),
+                                              sub(pos), lo + first, width, since, keys_end, seen, slots - first, pk,
+                                              pv, at::empty({0}, prefix_of.options())));
+    });
+  });
+  return result;
+}
+
 }  // namespace
 
 at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int64_t qkv_n,
@@ -143,6 +198,11 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
   // share these cores) held up each of them.
   const int64_t per_group = std::max<int64_t>(1, kGroupTokens / width);
   const int64_t groups = (rows + per_group - 1) / per_group;
+  if (prefixes > 1 && at::get_num_threads() > 1 && !at::in_parallel_region())
+    return layers_by_prefix(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
+                            kv_heads, eps, scale, slot, pos, lo, width, since, keys_end, last, rows_at, prefix_keys,
+                            prefix_values, prefix_of, std::max(per_group, (rows + at::get_num_threads() - 1) /
+                                                                            at::get_num_threads()));
   if (at::get_num_threads() <= 1 || at::in_parallel_region() || groups < 2)
     return layers_over(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
                        kv_heads, eps, scale, slot, pos, lo, width, since, keys_end, last, rows_at, prefix_keys,
