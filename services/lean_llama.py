@@ -423,9 +423,9 @@ class LeanLlama(torch.nn.Module):
             if solo is not None:
                 prefix = [[cascade_attention.shared_part(solo, i, rows)]
                           for i in range(len(self.layers))]
-            elif joint is not None:
-                p, prefix_of = joint
-                prefix = [[cascade_attention.first_positions(rows[idx[0]], i, p.since)
+            elif joint is not None:  # each group's first row's copy of the shortest prefix
+                since, prefix_of = joint[0].since, joint[1]
+                prefix = [[cascade_attention.first_positions(rows[idx[0]], i, since)
                            for idx, _ in groups] for i in range(len(self.layers))]
             outs = [self.uniform_pass.run(x[:, p.span], p, self.pool.segments[p.segment],
                                           cos_t[p.span], sin_t[p.span], prefix, prefix_of)
