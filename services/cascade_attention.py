@@ -93,13 +93,13 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # (2 groups of 8 sharing 16 or 64, 1.00x), and with the groups' sessions in alternate slots,
 # as a replica's arrivals leave them, 1.10x / 1.22x / 1.51x on two threads (each thread then
 # takes one group's rows: services/csrc/layer_parts.h); four groups of four (half a block)
-# lost on two threads, 0.80x sharing 512, 1.03x sharing 800 (each group's claim reads every
-# weight for its 4 rows), and are not kept (docs/performance.md, 2026-11-29):
+# gained little or lost on two threads, 1.03x sharing 800, 0.80x sharing 512 (each group's
+# claim reads every weight for its 4 rows), and are not kept (docs/performance.md, 2026-11-29):
 PREFIX_MIN_QUERIES = 16
 PART_MIN_QUERIES = 8
 PART_MIN_SAVED = 1500
 SHARED_MIN_SAVED = {"avx512": 200, "avx2": 500}  # one group beside rows that share nothing
-GROUPS_MIN_SAVED = 500  # several groups, on either path
+GROUPS_MIN_SAVED = 500  # several groups, on either path (at least either path's one-group bar)
 DENSE_MIN = 16  # queries per key head from which a shared prefix is attended by ``dense_lse``
 #                (in whole passes behind 800 shared positions, passes alternated on one
 #                thread: 16 sessions, 32 queries a head, 5% shorter; 8 sessions 3%; 4, 3% longer)
@@ -144,8 +144,7 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     if not groups or not one_operator:
         return groups  # (the rule covers passes of pooled rows of one size only)
     saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
-    bar = SHARED_MIN_SAVED[isa] if len(groups) == 1 else max(SHARED_MIN_SAVED[isa],
-                                                              GROUPS_MIN_SAVED)
+    bar = SHARED_MIN_SAVED[isa] if len(groups) == 1 else GROUPS_MIN_SAVED
     return groups if saved >= bar * sum(sizes) else []
 
 

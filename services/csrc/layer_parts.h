@@ -44,7 +44,7 @@ at::Tensor norm_qkv_store(const at::Tensor& x, const at::Tensor& ln1, double eps
 // prefix_keys, prefix_values: none, or per layer a shared prefix [KV, since, D] that every row's
 // cache begins with (services/cascade_attention.py): the rows' own queries then attend it and
 // merge with what they attended from ``since`` on in ``prefix_attention``, as the layer loop
-// does for such a pass. Or ``groups`` such prefixes a layer (layer i's group g at i groups + g),
+// does for such a pass. Or several such prefixes a layer (layer i's group g at i prefixes + g),
 // where the rows fall in groups that each share their own (several system prompts): prefix_of
 // [rows] holds each row's group, and each group's queries attend its prefix in a call of their
 // own (empty prefix_of: one group). Returns the last layer's output [T, h].
@@ -64,9 +64,9 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
   const int64_t T = x.size(0), D = qkv_n / (heads + 2 * kv_heads), G = heads / kv_heads;
   const int64_t rows = T / width, n = last.size(0);
   const bool gaps = n != rows;
-  const int64_t groups = prefix_keys.empty() ? 0 : static_cast<int64_t>(prefix_keys.size() / ln1.size());
-  std::vector<at::Tensor> members;  // with several groups: each one's rows among these (none: skipped)
-  for (int64_t g = 0; groups > 1 && g < groups; ++g) members.push_back(at::nonzero(prefix_of == g).view(-1));
+  const int64_t prefixes = static_cast<int64_t>(prefix_keys.size() / ln1.size());
+  std::vector<at::Tensor> members;  // with several prefixes: each one's rows among these (none: skipped)
+  for (int64_t g = 0; prefixes > 1 && g < prefixes; ++g) members.push_back(at::nonzero(prefix_of == g).view(-1));
   const auto span = [&](const at::Tensor& b) { return b.narrow(0, lo, n).narrow(2, since, keys_end - since); };
   const auto grouped = [&](const at::Tensor& t, int64_t count) {  // [count, width, H, D] -> [count, KV, G width, D]
     return t.transpose(1, 2).contiguous().view({count, kv_heads, G * width, D});
@@ -79,17 +79,17 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
         gaps ? at::zeros({n, width, heads, D}, q.options()).index_copy_(0, rows_at, queries) : queries, n);
     auto [out, lse] = pooled_attention(padded, span(keys[i]), span(values[i]), last, since, scale);
     if (gaps) out = out.index_select(0, rows_at);
-    if (groups == 1) {  // the rows' own queries over the prefix, merged with their rests
+    if (prefixes == 1) {  // the rows' own queries over the prefix, merged with their rests
       out = prefix_attention(gaps ? grouped(queries, rows) : padded, prefix_keys[i], prefix_values[i], out,
                              gaps ? lse.index_select(0, rows_at) : lse, scale, "");
-    } else if (groups > 1) {  // each group's rows over their own prefix
+    } else if (prefixes > 1) {  // each group's rows over their own prefix
       const auto mine = gaps ? grouped(queries, rows) : padded;
       const auto rest_lse = gaps ? lse.index_select(0, rows_at) : lse;
-      for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t g = 0; g < prefixes; ++g) {
         const auto& at_g = members[g];
         if (at_g.numel() == 0) continue;
-        out.index_copy_(0, at_g, prefix_attention(mine.index_select(0, at_g), prefix_keys[i * groups + g],
-                                                  prefix_values[i * groups + g], out.index_select(0, at_g),
+        out.index_copy_(0, at_g, prefix_attention(mine.index_select(0, at_g), prefix_keys[i * prefixes + g],
+                                                  prefix_values[i * prefixes + g], out.index_select(0, at_g),
                                                   rest_lse.index_select(0, at_g), scale, ""));
       }
     }
