@@ -94,7 +94,16 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # as a replica's arrivals leave them, 1.10x / 1.22x / 1.51x on two threads (each thread then
 # takes one group's rows: services/csrc/layer_parts.h); four groups of four (half a block)
 # gained little or lost on two threads, 1.03x sharing 800, 0.80x sharing 512 (each group's
-# claim reads every weight for its 4 rows), and are not kept (docs/performance.md, 2026-11-29):
+# claim reads every weight for its 4 rows), and are not kept (docs/performance.md, 2026-11-29).
+# Groups that fill a block beside rows sharing no prefix, in one segment, keep the pass one
+# operator too, each of those rows attending its own slot from position 0 (``joint_plan``):
+# where such a pass dropped its groups to stay one operator (they saved too few positions a
+# token), one group of 8 demo-target sessions sharing 800 positions beside 8 sessions of 820
+# positions of their own ran 1.26x / 1.21x as fast (one / two threads; 2-core AMD EPYC, Zen 3,
+# AVX2), beside 8 of 100 1.36x / 1.25x, 8 sharing 400 beside 8 of 820 1.17x / 1.12x, 8 sharing
+# 250 or 128 beside 8 of 100 1.02-1.05x, 16 sharing 128 beside 8 of 100 1.19x on two threads;
+# where the layer loop took the group (14 sharing 800 beside 2 of 820), 1.00x / 1.03x
+# (docs/performance.md, 2026-11-30):
 PREFIX_MIN_QUERIES = 16
 PART_MIN_QUERIES = 8
 PART_MIN_SAVED = 1500
@@ -112,24 +121,25 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
     positions) whose rows attend that prefix once, in the prefix kernel
     (``prefix_attention``). A group only when it fills one of the kernel's blocks of queries
     (``PREFIX_MIN_QUERIES`` a key head, ``group`` query heads each: a smaller one pays for a
-    whole block over the prefix); and where the pass could otherwise run its layers in one
-    operator (every row pooled, ``pooled``, all of one size that runs so, ``uniform``), the
-    groups only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (one group;
-    ``isa``: the prefix kernel's path, whose figure applies) or ``GROUPS_MIN_SAVED`` (several;
-    ``sizes``: each row's new tokens; a group keeps the whole pass in the layer-by-layer path),
-    unless the groups hold every row and they are in one segment (``segment`` slots each): the
-    pass then runs as one operator with each group's prefix attended in it (``joint_plan``
-    for several), which paid even where little is shared (16 demo-target sessions sharing 150
-    positions: 4.85 against 4.92 ms a pass on two threads, 7.57 against 8.23 on one;
-    docs/performance.md, 2026-11-29), where each fills a block. An only group may fill half a
-    block where its rows skip many positions (``PART_MIN_QUERIES``, ``PART_MIN_SAVED``);
-    elsewhere groups of half a block made passes slower (4 groups of 4 demo-target sessions
-    sharing 800 positions each: 13.8 against 11.0 ms on two threads, the pass layer by layer;
-    2 groups of 4 sharing 512: 8.3 against 7.0 on one; in one operator, 4 groups of 4
-    sharing 512, their sessions in alternate slots, 4.77 against 3.79 ms on two threads)."""
+    whole block over the prefix). Where the pass could otherwise run its layers in one
+    operator (every row pooled, ``pooled``, all of one size that runs so, ``uniform``) in one
+    segment (``segment`` slots each), it stays one operator with each group's prefix
+    attended in it and the rows outside the groups attending their own slots from position 0
+    (``joint_plan``, or one cascade for an only group of every row), which paid even where
+    little is shared (16 demo-target sessions sharing 150 positions: 4.85 against 4.92 ms a
+    pass on two threads, 7.57 against 8.23 on one; docs/performance.md, 2026-11-29). An only
+    group of every row may fill half a block where its rows skip many positions
+    (``PART_MIN_QUERIES``, ``PART_MIN_SAVED``); elsewhere groups of half a block made passes
+    slower (4 groups of 4 demo-target sessions sharing 800 positions each: 13.8 against 11.0
+    ms on two threads, the pass layer by layer; 2 groups of 4 sharing 512: 8.3 against 7.0 on
+    one; in one operator, 4 groups of 4 sharing 512, their sessions in alternate slots, 4.77
+    against 3.79 ms on two threads). A one-operator pass over two segments keeps its groups
+    only when they save ``SHARED_MIN_SAVED`` positions a token of the pass (one group;
+    ``isa``: the prefix kernel's path, whose figure applies) or ``GROUPS_MIN_SAVED``
+    (several; ``sizes``: each row's new tokens): they take the whole pass layer by layer."""
     one_operator = uniform and len(pooled) == len(rows)
-    if (one_operator and sum(len(idx) for idx, _ in shared) == len(rows)
-            and len({rows[b].kv.slot // segment for b in pooled}) == 1):
+    one_segment = one_operator and len({rows[b].kv.slot // segment for b in pooled}) == 1
+    if one_segment and sum(len(idx) for idx, _ in shared) == len(rows):
         # groups of every row in one segment: the pass stays one operator where each group
         # fills a block (an only group: or half of one over enough positions its rows skip)
         queries = [sum(sizes[b] for b in idx) * group for idx, _ in shared]
@@ -143,6 +153,8 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
               if sum(sizes[b] for b in idx) * group >= PREFIX_MIN_QUERIES]
     if not groups or not one_operator:
         return groups  # (the rule covers passes of pooled rows of one size only)
+    if one_segment:  # rows sharing none beside them: the pass stays one operator (``joint_plan``)
+        return groups
     saved = sum((len(idx) - 1) * p for idx, p in groups)  # positions not read again
     bar = SHARED_MIN_SAVED[isa] if len(groups) == 1 else GROUPS_MIN_SAVED
     return groups if saved >= bar * sum(sizes) else []
@@ -151,13 +163,15 @@ def cascade_groups(shared: Sequence[tuple[list[int], int]], rows: Sequence, size
 def joint_plan(rows: Sequence, groups: Sequence[tuple[list[int], int]], pooled: set[int],
                starts: Sequence[int], pool, group: int, device: torch.device
                ) -> tuple[PooledRows, torch.Tensor] | None:
-    """Where several groups (``cascade_groups``' choice) hold every row of the pass, pooled
-    in one segment, in their slots' order, all of one size: one plan of all the rows from the
-    groups' shortest prefix on, and each row's group [rows] (int64), for the pass as one
-    operator with each group's prefix attended in it (services/uniform_pass.py ``run``).
-    None elsewhere (the groups' own plans then run layer by layer)."""
-    if (len(groups) < 2 or len(pooled) != len(rows)
-            or sum(len(idx) for idx, _ in groups) != len(rows)):
+    """Where groups (``cascade_groups``' choice) share a pass of pooled rows in one segment,
+    in their slots' order, all of one size, with other groups or with rows that share no
+    prefix: one plan of all the rows from the groups' shortest prefix on, and each row's
+    group [rows] (int64; -1: a row sharing none, which attends its own slot from position 0),
+    for the pass as one operator with each group's prefix attended in it
+    (services/uniform_pass.py ``run``). None elsewhere (an only group that holds every row
+    runs as one cascade, ``_ragged``'s ``solo``; other groups' plans run layer by layer)."""
+    grouped = sum(len(idx) for idx, _ in groups)
+    if not groups or len(pooled) != len(rows) or (len(groups) == 1 and grouped == len(rows)):
         return None
     plans = ragged_attention.plan(rows, range(len(rows)), starts, pool, group, device,
                                   min(p for _, p in groups), kernel=True)
@@ -165,7 +179,7 @@ def joint_plan(rows: Sequence, groups: Sequence[tuple[list[int], int]], pooled: 
     if len(plans) != 1 or not plans[0].aligned or plans[0].span != slice(0, T):
         return None
     group_of = {b: g for g, (idx, _) in enumerate(groups) for b in idx}
-    return plans[0], torch.tensor([group_of[b] for b in plans[0].rows], device=device)
+    return plans[0], torch.tensor([group_of.get(b, -1) for b in plans[0].rows], device=device)
 
 
 def dense_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

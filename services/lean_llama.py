@@ -388,12 +388,13 @@ class LeanLlama(torch.nn.Module):
             return None if masks[b] is None else torch.zeros(
                 masks[b][:, p:].shape, device=dev).masked_fill_(~masks[b][:, p:], float("-inf"))
 
-        # several groups holding every row: one plan for the pass as one operator
+        # groups beside other groups or rows sharing none: one plan for the pass as one operator
         joint = cascade_attention.joint_plan(rows, groups, pooled, starts, self.pool, H // KV, dev) if (
             self.kernel_prefix and self.kernel_attention and self.kernel_rope
             and self._uniform(T)) else None
         plans = ragged_attention.plan(rows, sorted(pooled - grouped), starts, self.pool,
-                                      H // KV, dev, kernel=self.kernel_attention)
+                                      H // KV, dev, kernel=self.kernel_attention
+                                      ) if joint is None else []  # (its rows: all of them)
         cascades = [cascade_attention.cascade_plan(rows, idx, p, starts, pooled, self.pool,
                                                   H // KV, dev, lambda b, p=p: rest_mask(b, p),
                                                   self.kernel_attention,

@@ -1,8 +1,8 @@
 """Which groups of rows sharing a prefix attend it once (services/cascade_attention.py
 ``cascade_groups``), as pure logic: the kernel's blocks of queries, the one-operator pass's
-groups of half a block, groups that hold every row of such a pass, and the positions saved a
-token that one group among other rows (per the prefix kernel's path) and several groups must
-reach. The passes' speed behind each
+groups of half a block, groups in one segment (kept beside any other rows: the pass stays one
+operator), and the positions saved a token that one group (per the prefix kernel's path) and
+several groups must reach in a pass over two segments. The passes' speed behind each
 rule: tests/test_lean_forward.py checks the paths taken, docs/performance.md the figures."""
 
 from __future__ import annotations
@@ -27,30 +27,43 @@ def _kept(shared, n: int, isa: str = "avx2", uniform: bool = True, sizes=None,
                           uniform=uniform, segment=SEGMENT, isa=isa)
 
 
+def _two_segments(n: int) -> list[int]:
+    """Slots of n rows, the second half in the next pool segment: the pass is one operator a
+    segment, and groups take it layer by layer."""
+    return list(range(n // 2)) + [SEGMENT + s for s in range(n - n // 2)]
+
+
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_two_full_groups_beside_others_saving_350_positions_a_token_do_not_pay(isa):
+def test_full_groups_beside_rows_sharing_nothing_in_one_segment_are_kept(isa):
     """Two groups of 8 one-token rows (16 queries a key head each) sharing 480 positions each,
-    beside 4 rows that share nothing: 2 x 7 x 480 / 20 = 336 saved a token, under the 500 that
-    several groups taking the pass layer by layer must save."""
+    beside 4 rows that share nothing, in one segment: the pass stays one operator with the
+    groups' prefixes in it and the 4 rows attending their own slots (2 x 7 x 480 / 20 = 336
+    saved a token is no bar there). Across two segments the same groups would take the pass
+    layer by layer, and 336 is under the 500 that several groups must then save."""
     shared = [(list(range(8)), 480), (list(range(8, 16)), 480)]
-    assert _kept(shared, 20, isa) == []
+    assert _kept(shared, 20, isa) == shared
+    assert _kept(shared, 20, isa, slots=_two_segments(20)) == []
+    one = [(list(range(8)), 160)]  # 7 x 160 / 16 = 70 a token: one operator still
+    assert _kept(one, 16, isa) == one
+    assert _kept(one, 16, isa, slots=_two_segments(16)) == []
 
 
 @pytest.mark.parametrize("isa, kept", [("avx512", True), ("avx2", False)])
-def test_one_full_group_beside_rows_sharing_nothing_needs_200_on_avx512(isa, kept):
-    """16 one-token rows sharing 500 positions among 32: 15 x 500 / 32 = 234 saved a token,
-    over the AVX-512 path's 200 for one group and under AVX2's 500; the same saving split
-    over two groups is not kept on either path."""
+def test_one_full_group_across_two_segments_needs_200_on_avx512(isa, kept):
+    """16 one-token rows sharing 500 positions among 32 in two segments: 15 x 500 / 32 = 234
+    saved a token, over the AVX-512 path's 200 for one group and under AVX2's 500; the same
+    saving split over two groups is not kept on either path."""
+    slots = _two_segments(32)
     one = [(list(range(16)), 500)]
-    assert _kept(one, 32, isa) == (one if kept else [])
+    assert _kept(one, 32, isa, slots=slots) == (one if kept else [])
     two = [(list(range(8)), 1000), (list(range(8, 16)), 1000)]  # 2 x 7 x 1000 / 32 = 437
-    assert _kept(two, 32, isa) == []
+    assert _kept(two, 32, isa, slots=slots) == []
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_two_full_groups_beside_others_saving_560_a_token_pay_on_either_path(isa):
+def test_two_full_groups_across_two_segments_saving_560_a_token_pay_on_either_path(isa):
     shared = [(list(range(8)), 800), (list(range(8, 16)), 800)]
-    assert _kept(shared, 20, isa) == shared
+    assert _kept(shared, 20, isa, slots=_two_segments(20)) == shared
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])

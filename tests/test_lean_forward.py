@@ -709,10 +709,10 @@ def test_a_uniform_pass_on_two_threads_runs_groups_of_rows_with_the_same_floats(
 
 
 @pytest.mark.parametrize("groups, alone, prefix, wide, cascade", [
-    ([2, 2, 2, 2], 0, 160, False, False), ([8], 8, 160, False, False),
+    ([2, 2, 2, 2], 0, 160, False, False), ([8], 8, 160, False, True),
     ([8], 0, 400, False, True), ([16], 0, 160, False, True), ([8], 0, 160, True, True),
     ([4], 0, 512, False, True), ([4], 0, 304, False, False), ([4, 4], 0, 512, False, False)],
-    ids=["pairs", "eight-of-sixteen-sharing-little", "eight-sharing-much",
+    ids=["pairs", "eight-beside-eight-sharing-none", "eight-sharing-much",
          "sixteen-sharing-little", "eight-beside-a-verify", "four-sharing-much",
          "four-sharing-little", "two-fours-sharing-much"])
 def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, prefix, wide,
@@ -722,15 +722,12 @@ def test_shared_prefixes_are_attended_once_only_where_that_pays(groups, alone, p
     (the demo target has two query heads a key head: eight one-token rows), or, as a pass's
     only group, holding every row, half of one where its rows after the first skip 1,500
     positions of the prefix together (four rows sharing 512 positions skip 1,536; sharing
-    304, 912: no group; two such fours: none either), and, where the pass could run its
-    layers as one operator, only when the
-    groups save 200 positions (rows after each group's first times its prefix) a token of
-    the pass (one group on the AVX-512 path; 500 on AVX2 or for several): pairs, and eight
-    of sixteen rows sharing 160 positions (70 a token), run ``dense_layers``; eight sharing
-    400 (350 a token) keep their group, which as the pass's only rows, in one segment, runs
-    as one operator with the prefix attended in it, and so do sixteen sharing 160 (150 a
-    token: the rule does not hold for a group of every row in one segment, whose pass stays
-    one operator); eight sharing 160 keep theirs beside a
+    304, 912: no group; two such fours: none either): pairs run ``dense_layers`` without
+    a prefix; eight sharing 400 keep their group, which as the pass's only rows, in one
+    segment, runs as one operator with the prefix attended in it, and so do sixteen sharing
+    160 and eight sharing 160 beside eight rows that share nothing (70 positions saved a
+    token: in one segment the pass stays one operator, those rows attending their own slots
+    from position 0, whatever the group saves); eight sharing 160 keep theirs beside a
     verify row of four tokens, and that pass runs layer by layer with ``prefix_attention``
     called a layer; without the groups that pass runs its one-token rows and its verify row
     as one operator each (two plans: services/ragged_attention.py ``plan``). Either way the

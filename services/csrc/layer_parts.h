@@ -60,13 +60,14 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
                        int64_t heads, int64_t kv_heads, double eps, double scale, const at::Tensor& slot,
                        const at::Tensor& pos, int64_t lo, int64_t width, int64_t since, int64_t keys_end,
                        const at::Tensor& last, const at::Tensor& rows_at, at::TensorList prefix_keys,
-                       at::TensorList prefix_values, const at::Tensor& prefix_of) {
+                       at::TensorList prefix_values, const at::Tensor& prefix_of, const at::Tensor& firsts) {
   const int64_t T = x.size(0), D = qkv_n / (heads + 2 * kv_heads), G = heads / kv_heads;
   const int64_t rows = T / width, n = last.size(0);
   const bool gaps = n != rows;
   const int64_t prefixes = static_cast<int64_t>(prefix_keys.size() / ln1.size());
-  std::vector<at::Tensor> members;  // with several prefixes: each one's rows among these (none: skipped)
-  for (int64_t g = 0; prefixes > 1 && g < prefixes; ++g) members.push_back(at::nonzero(prefix_of == g).view(-1));
+  // with each row's prefix (several, or rows sharing none): each prefix's rows (none: skipped)
+  std::vector<at::Tensor> members;
+  for (int64_t g = 0; prefix_of.numel() && g < prefixes; ++g) members.push_back(at::nonzero(prefix_of == g).view(-1));
   const auto span = [&](const at::Tensor& b) { return b.narrow(0, lo, n).narrow(2, since, keys_end - since); };
   const auto grouped = [&](const at::Tensor& t, int64_t count) {  // [count, width, H, D] -> [count, KV, G width, D]
     return t.transpose(1, 2).contiguous().view({count, kv_heads, G * width, D});
@@ -77,12 +78,12 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
     auto queries = q.view({rows, width, heads, D});
     const auto padded = grouped(
         gaps ? at::zeros({n, width, heads, D}, q.options()).index_copy_(0, rows_at, queries) : queries, n);
-    auto [out, lse] = pooled_attention(padded, span(keys[i]), span(values[i]), last, since, scale);
+    auto [out, lse] = pooled_attention_from(padded, span(keys[i]), span(values[i]), last, since, firsts, scale);
     if (gaps) out = out.index_select(0, rows_at);
-    if (prefixes == 1) {  // the rows' own queries over the prefix, merged with their rests
+    if (prefixes == 1 && !prefix_of.numel()) {  // the rows' own queries over the prefix, merged with their rests
       out = prefix_attention(gaps ? grouped(queries, rows) : padded, prefix_keys[i], prefix_values[i], out,
                              gaps ? lse.index_select(0, rows_at) : lse, scale, "");
-    } else if (prefixes > 1) {  // each group's rows over their own prefix
+    } else if (prefixes) {  // each group's rows over their own prefix (rows of none: as they are)
       const auto mine = gaps ? grouped(queries, rows) : padded;
       const auto rest_lse = gaps ? lse.index_select(0, rows_at) : lse;
       for (int64_t g = 0; g < prefixes; ++g) {
@@ -99,14 +100,22 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
   return x;
 }
 
-// dense_layers' layers where the rows fall in several prefix groups, on more than one thread:
-// a claim takes rows of one group (at most ``cap``), wherever they lie in the window, so each
-// claim reads its group's prefix once a layer for all of its queries; rows of the window outside
-// the claim see no keys (their last position before since) and their outputs are dropped. A
-// group's rows in alternate slots, split into runs of kGroupTokens rows, had each run read every
-// group's prefix for a few queries: two groups of 8 demo-target sessions sharing 800 positions
-// ran 1.09x as fast as without their prefixes on two threads (1.46x on one), now 1.51x; sharing
-// 400, 1.06x, now 1.22x (docs/performance.md, 2026-11-29).
+// dense_layers' layers where the rows fall in several prefix groups, or in groups and rows that
+// share no prefix (prefix_of -1), on more than one thread: a claim takes rows of one group (at
+// most ``cap``), wherever they lie in the window, so each claim reads its group's prefix once a
+// layer for all of its queries; rows of the window outside the claim see no keys (their last
+// position before the claim's first) and their outputs are dropped. A group's rows in
+// alternate slots, split into runs of kGroupTokens rows, had each run read every group's prefix
+// for a few queries: two groups of 8 demo-target sessions sharing 800 positions ran 1.09x as
+// fast as without their prefixes on two threads (1.46x on one), now 1.51x; sharing 400, 1.06x,
+// now 1.22x (docs/performance.md, 2026-11-29). Rows that share no prefix go, one at a time, to
+// the claim that costs least so far (at least as many claims as threads: lone ones added where
+// the groups give fewer), a row costing its projections (kRowKeys keys) and the keys it reads
+// (a group's prefix once a claim): a group's claim reads few keys, and a claim of the lone rows
+// alone beside it held the pass (8 sessions behind 800 shared positions and 8 sharing none:
+// 1.02x as fast as without the prefix on two threads, 1.22x on one).
+constexpr double kRowKeys = 1024.0;
+
 at::Tensor layers_by_prefix(const at::Tensor& x, at::TensorList ln1, at::TensorList qkv, int64_t qkv_n,
                             at::TensorList o, at::TensorList ln2, at::TensorList gate_up, int64_t gu_n,
                             at::TensorList down, at::TensorList keys, at::TensorList values, const at::Tensor& cos,
@@ -118,37 +127,72 @@ at::Tensor layers_by_prefix(const at::Tensor& x, at::TensorList ln1, at::TensorL
   const int64_t rows = x.size(0) / width, n = last.size(0), layers = static_cast<int64_t>(ln1.size());
   const int64_t prefixes = static_cast<int64_t>(prefix_keys.size()) / layers;
   const auto at_cpu = (n != rows ? rows_at : at::arange(rows, rows_at.options())).to(at::kLong).contiguous();
-  std::vector<at::Tensor> claims;  // each claim's rows (indices into the pass's rows)
-  std::vector<int64_t> claim_group;
+  const int64_t* where = at_cpu.data_ptr<int64_t>();
+  const auto of_cpu = prefix_of.to(at::kLong).contiguous();
+  const int64_t* of = of_cpu.data_ptr<int64_t>();
+  const auto ends = last.select(1, width - 1).to(at::kLong).contiguous();  // each slot's last position
+  const int64_t* end = ends.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> claims;  // each claim's rows (indices into the pass's rows)
+  std::vector<int64_t> claim_group;  // its group (-1: rows that share no prefix only)
+  std::vector<double> cost;
   for (int64_t g = 0; g < prefixes; ++g) {
-    const auto mine = at::nonzero(prefix_of == g).view(-1);
-    for (int64_t j = 0; j < mine.numel(); j += cap) {
-      claims.push_back(mine.narrow(0, j, std::min(cap, mine.numel() - j)));
+    std::vector<int64_t> mine;
+    for (int64_t j = 0; j < rows; ++j)
+      if (of[j] == g) mine.push_back(j);
+    for (size_t j = 0; j < mine.size(); j += static_cast<size_t>(cap)) {
+      claims.emplace_back(mine.begin() + j, mine.begin() + std::min(mine.size(), j + static_cast<size_t>(cap)));
       claim_group.push_back(g);
+      double c = since / kRowKeys;
+      for (const int64_t r : claims.back()) c += 1.0 + (end[where[r]] + 1 - since) / kRowKeys;
+      cost.push_back(c);
     }
+  }
+  std::vector<int64_t> lone;
+  for (int64_t j = 0; j < rows; ++j)
+    if (of[j] < 0) lone.push_back(j);
+  const auto threads = static_cast<size_t>(at::get_num_threads());
+  for (size_t k = 0; k < lone.size() && claims.size() < threads; ++k) {
+    claims.emplace_back();
+    claim_group.push_back(-1);
+    cost.push_back(0.0);
+  }
+  for (const int64_t r : lone) {
+    const auto c = static_cast<size_t>(std::min_element(cost.begin(), cost.end()) - cost.begin());
+    claims[c].push_back(r);
+    cost[c] += 1.0 + (end[where[r]] + 1) / kRowKeys;
   }
   auto result = at::empty_like(x);
   const at::ThreadLocalState caller;  // inference mode, on the threads that take claims too
   parallel_claims(static_cast<int64_t>(claims.size()), [&](const auto& each) {
     const at::ThreadLocalStateGuard same(caller);
     each([&](int64_t c, int64_t) {
-      const auto& mine = claims[c];
+      auto order = claims[c];
+      std::sort(order.begin(), order.end());  // (rows in slot order: their slots ascending)
+      const auto mine = at::tensor(order, at_cpu.options());
       const int64_t g = claim_group[c];
+      const bool mixed = g >= 0 && std::any_of(order.begin(), order.end(), [&](int64_t r) { return of[r] < 0; });
+      const int64_t from = g < 0 || mixed ? 0 : since;  // rows sharing none: every key
       const auto slots = at_cpu.index_select(0, mine);  // each row's slot in the window, ascending
       const int64_t first = slots.min().item<int64_t>(), final = slots.max().item<int64_t>();
       const auto toks = (mine.unsqueeze(1) * width + at::arange(width, mine.options())).view(-1);
       const auto sub = [&](const at::Tensor& t) { return t.index_select(0, toks); };
-      auto seen = at::full({final - first + 1, last.size(1)}, since - 1, last.options());
+      auto seen = at::full({final - first + 1, last.size(1)}, from - 1, last.options());
       seen.index_copy_(0, slots - first, last.index_select(0, slots));
+      auto none = at::empty({0}, prefix_of.options()), own = none, firsts = none;
+      if (mixed) {  // the group's rows from since (after its prefix), the others from 0
+        own = of_cpu.index_select(0, mine).clamp_max(0).to(prefix_of.device());
+        firsts = at::full({final - first + 1}, since, last.options());
+        firsts.index_fill_(0, (slots - first).index_select(0, at::nonzero(own < 0).view(-1)), 0);
+      }
       std::vector<at::Tensor> pk, pv;
-      for (int64_t i = 0; i < layers; ++i) {
+      for (int64_t i = 0; g >= 0 && i < layers; ++i) {
         pk.push_back(prefix_keys[i * prefixes + g]);
         pv.push_back(prefix_values[i * prefixes + g]);
       }
       result.index_copy_(0, toks, layers_over(sub(x), ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values,
                                               sub(cos), sub(ssin), heads, kv_heads, eps, scale, sub(slot),
-                                              sub(pos), lo + first, width, since, keys_end, seen, slots - first, pk,
-                                              pv, at::empty({0}, prefix_of.options())));
+                                              sub(pos), lo + first, width, from, keys_end, seen, slots - first, pk,
+                                              pv, own, firsts));
     });
   });
   return result;
@@ -170,12 +214,13 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
   TORCH_CHECK(prefix_keys.size() == prefix_values.size() && prefix_keys.size() % layers == 0,
               "dense_layers: prefix_keys and prefix_values must be empty or groups [KV, since, D] a layer");
   const int64_t prefixes = static_cast<int64_t>(prefix_keys.size() / layers);
-  TORCH_CHECK(prefixes <= 1 ? prefix_of.numel() == 0
-                          : prefix_of.dim() == 1 && prefix_of.scalar_type() == at::kLong &&
-                                prefix_of.numel() == x.size(0) / std::max<int64_t>(width, 1) &&
-                                prefix_of.min().item<int64_t>() >= 0 && prefix_of.max().item<int64_t>() < prefixes,
-              "dense_layers: prefix_of must be empty for one prefix, else each row's group [rows] (int64, "
-              "0..groups - 1) for several");
+  TORCH_CHECK(prefix_of.numel() == 0
+                  ? prefixes <= 1
+                  : prefixes >= 1 && prefix_of.dim() == 1 && prefix_of.scalar_type() == at::kLong &&
+                        prefix_of.numel() == x.size(0) / std::max<int64_t>(width, 1) &&
+                        prefix_of.min().item<int64_t>() >= -1 && prefix_of.max().item<int64_t>() < prefixes,
+              "dense_layers: prefix_of must be empty for one prefix that every row shares, else each row's "
+              "group [rows] (int64, 0..groups - 1, or -1 for a row that shares none)");
   for (size_t i = 0; i < prefix_keys.size(); ++i)
     TORCH_CHECK(prefix_keys[i].dim() == 3 && prefix_keys[i].size(1) == since,
                 "dense_layers: a layer's prefix must be [KV, since, D]: its rows' positions before since");
@@ -198,15 +243,26 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
   // share these cores) held up each of them.
   const int64_t per_group = std::max<int64_t>(1, kGroupTokens / width);
   const int64_t groups = (rows + per_group - 1) / per_group;
-  if (prefixes > 1 && at::get_num_threads() > 1 && !at::in_parallel_region())
+  // rows that share no prefix (prefix_of -1) attend their slots from position 0, the others
+  // from since (``firsts``, per slot of the window: gaps' queries see no keys either way)
+  const bool lone = prefix_of.numel() && prefix_of.min().item<int64_t>() < 0;
+  if ((prefixes > 1 || lone) && at::get_num_threads() > 1 && !at::in_parallel_region())
     return layers_by_prefix(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
                             kv_heads, eps, scale, slot, pos, lo, width, since, keys_end, last, rows_at, prefix_keys,
                             prefix_values, prefix_of, std::max(per_group, (rows + at::get_num_threads() - 1) /
                                                                             at::get_num_threads()));
+  if (lone) {
+    auto firsts = at::full({n}, since, last.options());
+    firsts.index_fill_(0, (gaps ? rows_at.to(at::kLong) : at::arange(rows, last.options())).index_select(
+                              0, at::nonzero(prefix_of < 0).view(-1)), 0);
+    return layers_over(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
+                       kv_heads, eps, scale, slot, pos, lo, width, 0, keys_end, last, rows_at, prefix_keys,
+                       prefix_values, prefix_of, firsts);
+  }
   if (at::get_num_threads() <= 1 || at::in_parallel_region() || groups < 2)
     return layers_over(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
                        kv_heads, eps, scale, slot, pos, lo, width, since, keys_end, last, rows_at, prefix_keys,
-                       prefix_values, prefix_of);
+                       prefix_values, prefix_of, at::empty({0}, last.options()));
   const auto at_cpu = rows_at.to(at::kLong).contiguous();
   const int64_t* where = at_cpu.data_ptr<int64_t>();
   auto result = at::empty_like(x);
@@ -223,7 +279,7 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
           sub(x), ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, sub(cos), sub(ssin), heads,
           kv_heads, eps, scale, sub(slot), sub(pos), lo + first, width, since, keys_end,
           last.narrow(0, first, final - first + 1), at_rows, prefix_keys, prefix_values,
-          prefixes > 1 ? prefix_of.narrow(0, j0, j1 - j0) : prefix_of));
+          prefix_of.numel() ? prefix_of.narrow(0, j0, j1 - j0) : prefix_of, at::empty({0}, last.options())));
     });
   });
   return result;

@@ -203,14 +203,16 @@ template <int... NV> constexpr auto attend_table(std::integer_sequence<int, NV..
 }  // namespace
 
 // q [n, KV, R, D] float32; keys, values [n, KV, L, D] float32 with unit stride in D and one
-// stride between positions (views of a pool segment's buffers); last [n, M] int64 with R a
-// multiple of M: query r of row i sees the keys 0..last[i][r % M] - since. D a multiple of 8,
-// at most 128. Returns the outputs
-// [n, KV, R, D] and their log-sum-exps [n, KV, R] (natural; -inf and zeros for a query that
-// sees no key).
-std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const at::Tensor& keys,
-                                                    const at::Tensor& values, const at::Tensor& last,
-                                                    int64_t since, double scale) {
+// stride between positions (views of a pool segment's buffers from position ``since`` on);
+// last [n, M] int64 with R a multiple of M: query r of row i sees the positions
+// firsts[i]..last[i][r % M] (keys firsts[i] - since.. of the views), firsts [n] int64, each at
+// least since, or empty: since for every row (a row behind a shared prefix attended apart
+// starts after it, one sharing nothing at 0: services/csrc/layer_parts.h). D a multiple of 8,
+// at most 128. Returns the outputs [n, KV, R, D] and their log-sum-exps [n, KV, R] (natural;
+// -inf and zeros for a query that sees no key).
+std::tuple<at::Tensor, at::Tensor> pooled_attention_from(const at::Tensor& q, const at::Tensor& keys,
+                                                         const at::Tensor& values, const at::Tensor& last,
+                                                         int64_t since, const at::Tensor& firsts, double scale) {
   for (const auto* t : {&q, &keys, &values})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 4,
                 "attention: q, keys and values must be 4-D float32 CPU tensors");
@@ -221,6 +223,9 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
   TORCH_CHECK(D % 8 == 0 && D > 0 && D <= 128, "attention: D must be a multiple of 8, at most 128, got ", D);
   TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 2 && last.size(0) == n && last.size(1) > 0 &&
               R % last.size(1) == 0, "attention: last must be int64 [n, M] with M dividing q's R");
+  TORCH_CHECK(firsts.numel() == 0 || (firsts.scalar_type() == at::kLong && firsts.dim() == 1 &&
+                                      firsts.size(0) == n && firsts.min().item<int64_t>() >= since),
+              "attention: firsts must be empty or int64 [n], each at least since");
   check_isa("attention");
   static const auto each = attend_table(std::make_integer_sequence<int, 16>{}, false);
   static const auto pairs = attend_table(std::make_integer_sequence<int, 16>{}, true);
@@ -234,20 +239,23 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
   const float* kp = keys.data_ptr<float>();
   const float* vp = values.data_ptr<float>();
   const int64_t* lp = lst.data_ptr<int64_t>();
+  const auto fst = firsts.numel() ? firsts.contiguous() : firsts;
+  const int64_t* fp = fst.numel() ? fst.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
   float* sp = lse.data_ptr<float>();
   if (n * KV * R == 0) return {out, lse};
   parallel_claims(n * KV, [&](const auto& each_claim) {
     std::vector<int64_t> count(R);
     std::vector<float> scratch;
-    int64_t row = -1, Lp = 0;
+    int64_t row = -1, Lp = 0, skip = 0;
     each_claim([&](int64_t p, int64_t end) {
       const int64_t i = p / KV, h = p % KV;
       if (i != row) {  // the row's queries' counts, the same for each of its heads
         row = i;
+        skip = fp ? fp[i] - since : 0;  // the view's keys before the row's first
         int64_t longest = 0;
         for (int64_t r = 0; r < R; ++r) {
-          count[r] = std::clamp<int64_t>(lp[i * M + r % M] - since + 1, 0, L);
+          count[r] = std::clamp<int64_t>(lp[i * M + r % M] - since - skip + 1, 0, std::max<int64_t>(0, L - skip));
           longest = std::max(longest, count[r]);
         }
         Lp = std::max<int64_t>(16, (longest + 15) / 16 * 16);
@@ -258,12 +266,20 @@ std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const a
         const char* k2 = reinterpret_cast<const char*>(kp + i2 * keys.stride(0) + h2 * keys.stride(1));
         for (int64_t line = 0; line < kNextLines; ++line) _mm_prefetch(k2 + 64 * line, _MM_HINT_T1);
       }
-      const Pair a{qp + (i * KV + h) * R * D, kp + i * keys.stride(0) + h * keys.stride(1),
-                   vp + i * values.stride(0) + h * values.stride(1), keys.stride(2), values.stride(2),
+      const Pair a{qp + (i * KV + h) * R * D, kp + i * keys.stride(0) + h * keys.stride(1) + skip * keys.stride(2),
+                   vp + i * values.stride(0) + h * values.stride(1) + skip * values.stride(2), keys.stride(2),
+                   values.stride(2),
                    R, M, count.data(), static_cast<float>(scale), scratch.data(), Lp,
                    op + (i * KV + h) * R * D, sp + (i * KV + h) * R};
       fn(a);
     });
   });
   return {out, lse};
+}
+
+// The op: every row from ``since`` on (``pooled_attention_from`` without firsts).
+std::tuple<at::Tensor, at::Tensor> pooled_attention(const at::Tensor& q, const at::Tensor& keys,
+                                                    const at::Tensor& values, const at::Tensor& last,
+                                                    int64_t since, double scale) {
+  return pooled_attention_from(q, keys, values, last, since, at::empty({0}, last.options()), scale);
 }
