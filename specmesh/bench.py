@@ -148,9 +148,10 @@ def run_hf_rows(pair: tuple[str, str], modes: list[Mode], texts: list[str], opts
 
 
 def _shared_prefix(prompts: list[dict], target: str, tokens: int,
-                   contexts: int) -> tuple[list[dict], int]:
+                   contexts: int, unshared_every: int) -> tuple[list[dict], int]:
     """``prompts`` behind ``contexts`` shared contexts of about ``tokens`` tokens of
-    ``target``'s tokenizer (specmesh.bench_prompts.with_shared_prefix)."""
+    ``target``'s tokenizer, every ``unshared_every``th without
+    (specmesh.bench_prompts.with_shared_prefix)."""
     from transformers import AutoTokenizer
 
     from specmesh.bench_prompts import load_prompts, with_shared_prefix
@@ -163,7 +164,7 @@ def _shared_prefix(prompts: list[dict], target: str, tokens: int,
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(f"--shared-prefix: no tokenizer at {target!r}: {exc}") from exc
     return with_shared_prefix(prompts, tokenizer, tokens, source=load_prompts(),
-                              contexts=contexts)
+                              contexts=contexts, unshared_every=unshared_every)
 
 
 def _split(csv: str) -> list[str]:
@@ -232,6 +233,11 @@ def bench(
         min=1, help="With --shared-prefix: that many different contexts, prompt i behind "
                     "context i mod N (several tenants' system prompts), so passes carry "
                     "several groups of sessions that share one.")] = 1,
+    unshared_every: Annotated[int, typer.Option(
+        min=0, help="With --shared-prefix: every Nth prompt (i mod N = N - 1) without a "
+                    "context, as requests behind a system prompt mix with ones that have "
+                    "none, so passes carry groups beside sessions that share nothing; 0 = "
+                    "none, at least 2.")] = 0,
     repeat: Annotated[int, typer.Option(
         min=1, help="Run every (mode, concurrency) cell N times, each pass over a level's "
                     "cells in the other order, and report each cell's run with the median "
@@ -294,6 +300,14 @@ def bench(
         raise typer.BadParameter("--shared-prefixes sets how many contexts --shared-prefix N "
                                  "puts before the prompts: give --shared-prefix too",
                                  param_hint="'--shared-prefixes'")
+    if unshared_every and not shared_prefix:
+        raise typer.BadParameter("--unshared-every leaves every Nth prompt without the "
+                                 "context --shared-prefix N puts before the others: give "
+                                 "--shared-prefix too", param_hint="'--unshared-every'")
+    if unshared_every == 1:
+        raise typer.BadParameter("--unshared-every 1 would leave every prompt without the "
+                                 "context: give 2 or more (0: none)",
+                                 param_hint="'--unshared-every'")
     replicas = None if addr else verifier_replicas  # (the report's: a remote mesh's unknown)
     keys = [x for x in keys if not (no_hf and x in HF_KEYS)]
     try:
@@ -345,7 +359,7 @@ def bench(
         prefix_tokens = 0
         if shared_prefix:
             chosen, prefix_tokens = _shared_prefix(chosen, names["target"], shared_prefix,
-                                                   shared_prefixes)
+                                                   shared_prefixes, unshared_every)
         with Progress("[progress.description]{task.description}", BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), console=err,
                       transient=False) as bar:
@@ -365,6 +379,7 @@ def bench(
                      "verifier_replicas": replicas,
                      "seed": seed, "shared_prefix_tokens": prefix_tokens,
                      "shared_prefixes": shared_prefixes if prefix_tokens else 0,
+                     "unshared_every": unshared_every if prefix_tokens else 0,
                      "address": address,
                      "peers": [{"name": p.name, "url": p.url, "model": m} for p, m in peers],
                      "prompts": [{x: p[x] for x in ("id", "kind", "source")} for p in chosen]},

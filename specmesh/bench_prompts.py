@@ -108,8 +108,8 @@ def load_prompts(path: Path = PROMPTS_PATH, limit: int | None = None) -> list[di
 
 
 def with_shared_prefix(prompts: list[dict], tokenizer, tokens: int,
-                       source: list[dict] | None = None, contexts: int = 1
-                       ) -> tuple[list[dict], int]:
+                       source: list[dict] | None = None, contexts: int = 1,
+                       unshared_every: int = 0) -> tuple[list[dict], int]:
     """The shared-prefix workload (``specmesh bench --shared-prefix N``): every prompt
     preceded by the same context of about ``tokens`` tokens, as chat traffic repeats a long
     system prompt or document before each short question. The context is the texts of the
@@ -117,7 +117,10 @@ def with_shared_prefix(prompts: list[dict], tokenizer, tokens: int,
     at the last line break within ``tokens`` tokens of ``tokenizer``. With ``contexts`` > 1
     (``--shared-prefixes``), that many contexts, as several tenants' system prompts: context k
     starts at text k len / ``contexts`` of the set, and prompt i goes behind context i mod
-    ``contexts``. Returns (the prompts, the shortest context's length in tokens)."""
+    ``contexts``. With ``unshared_every`` K (``--unshared-every``), every Kth prompt (i mod K
+    = K - 1) goes without a context, as traffic mixes requests behind a system prompt with
+    requests that have none. Returns (the prompts, the shortest context's length in
+    tokens)."""
     texts = [p["prompt"].rstrip() + "\n\n" for p in (source or prompts)]
     def count(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -131,7 +134,11 @@ def with_shared_prefix(prompts: list[dict], tokenizer, tokens: int,
         context = tokenizer.decode(count(context)[:tokens], skip_special_tokens=True)
         made.append(context[:context.rfind("\n") + 1] or context)
         lengths.append(len(count(made[-1])))
-    shared = [{**p, "id": f"{p['id']}+prefix{'' if contexts == 1 else i % contexts}",
+    def alone(i: int) -> bool:
+        return bool(unshared_every) and i % unshared_every == unshared_every - 1
+
+    shared = [dict(p) if alone(i) else
+              {**p, "id": f"{p['id']}+prefix{'' if contexts == 1 else i % contexts}",
                "prompt": made[i % contexts] + p["prompt"]} for i, p in enumerate(prompts)]
     return shared, min(lengths)
 

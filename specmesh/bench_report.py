@@ -20,10 +20,12 @@ def _prefix_note(settings: dict) -> str:
     n, contexts = settings.get("shared_prefix_tokens", 0), settings.get("shared_prefixes", 1)
     if not n:
         return ""
+    every = settings.get("unshared_every", 0)
+    alone = f", one prompt in {every} without a context (--unshared-every)" if every else ""
     if contexts > 1:
         return (f" behind {contexts} shared contexts of {n} tokens or more, prompt i behind "
-                f"context i mod {contexts} (--shared-prefix, --shared-prefixes)")
-    return f" behind one shared {n}-token context (--shared-prefix)"
+                f"context i mod {contexts} (--shared-prefix, --shared-prefixes){alone}")
+    return f" behind one shared {n}-token context (--shared-prefix){alone}"
 
 
 def per_token_alpha(records: list[dict], k: int, max_new_tokens: int) -> float | None:

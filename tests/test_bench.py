@@ -524,6 +524,24 @@ def test_shared_prefixes_put_every_nth_prompt_behind_its_own_context(tiny_pair):
     assert len({tuple(ids[:16]) for ids in firsts}) == 3  # three different first blocks
 
 
+def test_unshared_every_leaves_every_nth_prompt_without_a_context(tiny_pair):
+    """--unshared-every 3 with two contexts: prompts 2 and 5 as they were (their ids too), the
+    others behind context i mod 2, as without the option."""
+    from transformers import AutoTokenizer
+
+    from specmesh.bench_prompts import with_shared_prefix
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    prompts = load_prompts(limit=7)
+    every, n = with_shared_prefix(prompts, tokenizer, 200, source=load_prompts(), contexts=2,
+                                  unshared_every=3)
+    behind, m = with_shared_prefix(prompts, tokenizer, 200, source=load_prompts(), contexts=2)
+    assert n == m
+    for i, (e, b, p) in enumerate(zip(every, behind, prompts, strict=True)):
+        assert e == (p if i in (2, 5) else b)
+    assert behind[2] != prompts[2]
+
+
 def test_bench_shared_prefix_reuses_the_verifiers_prefix_cache(tiny_pair, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "bench"
@@ -553,3 +571,7 @@ def test_the_reports_prefix_note_names_one_context_or_several():
         " behind one shared 790-token context (--shared-prefix)")
     assert "behind 2 shared contexts of 780 tokens or more, prompt i behind context i mod 2" in (
         _prefix_note({"shared_prefix_tokens": 780, "shared_prefixes": 2}))
+    assert _prefix_note({"shared_prefix_tokens": 790, "shared_prefixes": 1,
+                         "unshared_every": 2}) == (
+        " behind one shared 790-token context (--shared-prefix), one prompt in 2 without a "
+        "context (--unshared-every)")

@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
     (["bench", "--shared-prefixes", "2", "--no-hf"], "--shared-prefixes"),
     (["bench", "--shared-prefix", "100", "--shared-prefixes", "0", "--no-hf"],
      "--shared-prefixes"),
+    (["bench", "--unshared-every", "2", "--no-hf"], "--unshared-every"),
+    (["bench", "--shared-prefix", "100", "--unshared-every", "1", "--no-hf"], "--unshared-every"),
     (["bench", "--addr", "127.0.0.1:1", "--verifier-replicas", "2", "--no-hf"],
      "--verifier-replicas"),
     (["verifier", "--model", str(ROOT / "models/demo-target"), "--local-drafter",
