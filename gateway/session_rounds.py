@@ -84,7 +84,7 @@ class RequestState:
     turn: TurnRecord  # settings and progress, saved with every commit (resume reads it)
     usage: Usage = field(default_factory=Usage)
     generated: int = 0
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # (the engine: the arrival)
     first_token_at: float = 0.0
     pending: int = 0  # the last tokens of handle.tokens not yet in Redis (it was unreachable)
 
