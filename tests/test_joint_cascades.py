@@ -81,18 +81,28 @@ def test_two_groups_behind_their_own_prompts_run_as_one_operator_with_the_same_f
     slots lie), with the groups' sessions in alternate slots, with a session at rest holding
     a slot between the rows, and with rows of two tokens (verify rows; 16 of them, the 32
     tokens a one-operator pass takes)."""
+    _as_the_layer_loop(lean, threads, gap, width, alternate=alternate)
+
+
+def _as_the_layer_loop(lean, threads: int, gap: bool, width: int, alternate: bool = False,
+                       layout: list[int] | None = None) -> None:
+    """Three passes of the sessions (``_sessions``, behind 400-token prompts) as one
+    operator and layer by layer on ``threads`` threads: one ``dense_layers`` call a pass
+    against each group's ``prefix_attention`` a layer, the very logits and caches."""
     own, count = lean._uniform, torch.get_num_threads()
     lengths = (400, 400)
-    one = _sessions(lean, lengths, gap, alternate)
-    layered = _sessions(lean, lengths, gap, alternate)
+    groups = 2 if layout is None else len({grp for grp in layout if grp >= 0})
+    one = _sessions(lean, lengths, gap, alternate, groups=layout)
+    layered = _sessions(lean, lengths, gap, alternate, groups=layout)
     try:
         torch.set_num_threads(threads)
         for step in range(3):
-            got, ran = _pass(lean, one, step, lengths, True, own, width)
-            want, ran_layered = _pass(lean, layered, step, lengths, False, own, width)
+            got, ran = _pass(lean, one, step, lengths, True, own, width, groups)
+            want, ran_layered = _pass(lean, layered, step, lengths, False, own, width, groups)
             assert ran.get("specmesh_cpu::dense_layers", 0) == 1
             assert ran.get("specmesh_cpu::prefix_attention", 0) == 0
-            assert ran_layered.get("specmesh_cpu::prefix_attention", 0) == 2 * len(lean.layers)
+            assert ran_layered.get("specmesh_cpu::prefix_attention", 0) == (
+                groups * len(lean.layers))
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(a, b)
     finally:
@@ -122,26 +132,7 @@ def test_groups_beside_sessions_sharing_no_prompt_run_as_one_operator_with_the_s
     session at rest between the rows (the fifth session, one sharing none) and with rows of
     two tokens. Left as it was before, the pass (70-350 positions saved a token) dropped its
     groups."""
-    own, count = lean._uniform, torch.get_num_threads()
-    lengths = (400, 400)
-    groups = len({grp for grp in layout if grp >= 0})
-    one = _sessions(lean, lengths, gap, groups=layout)
-    layered = _sessions(lean, lengths, gap, groups=layout)
-    try:
-        torch.set_num_threads(threads)
-        for step in range(3):
-            got, ran = _pass(lean, one, step, lengths, True, own, width, groups)
-            want, ran_layered = _pass(lean, layered, step, lengths, False, own, width, groups)
-            assert ran.get("specmesh_cpu::dense_layers", 0) == 1
-            assert ran.get("specmesh_cpu::prefix_attention", 0) == 0
-            assert ran_layered.get("specmesh_cpu::prefix_attention", 0) == (
-                groups * len(lean.layers))
-            for a, b in zip(got, want, strict=True):
-                assert torch.equal(a, b)
-    finally:
-        lean._uniform = own
-        torch.set_num_threads(count)
-    _same_caches([c[:2] for c in one], [c[:2] for c in layered])
+    _as_the_layer_loop(lean, threads, gap, width, layout=layout)
 
 
 def test_groups_behind_prompts_of_different_lengths_attend_from_the_shorter_one(lean):
