@@ -116,6 +116,12 @@ at::Tensor layers_over(at::Tensor x, at::TensorList ln1, at::TensorList qkv, int
 // 1.02x as fast as without the prefix on two threads, 1.22x on one).
 constexpr double kRowKeys = 1024.0;
 
+// Each slot of a window of ``n`` slots' first position for ``pooled_attention_from``: since,
+// but 0 at ``lone`` (the slots of the rows that share no prefix).
+at::Tensor firsts_of(int64_t n, int64_t since, const at::Tensor& lone, const at::TensorOptions& options) {
+  return at::full({n}, since, options).index_fill_(0, lone, 0);
+}
+
 at::Tensor layers_by_prefix(const at::Tensor& x, at::TensorList ln1, at::TensorList qkv, int64_t qkv_n,
                             at::TensorList o, at::TensorList ln2, at::TensorList gate_up, int64_t gu_n,
                             at::TensorList down, at::TensorList keys, at::TensorList values, const at::Tensor& cos,
@@ -181,8 +187,8 @@ at::Tensor layers_by_prefix(const at::Tensor& x, at::TensorList ln1, at::TensorL
       auto none = at::empty({0}, prefix_of.options()), own = none, firsts = none;
       if (mixed) {  // the group's rows from since (after its prefix), the others from 0
         own = of_cpu.index_select(0, mine).clamp_max(0).to(prefix_of.device());
-        firsts = at::full({final - first + 1}, since, last.options());
-        firsts.index_fill_(0, (slots - first).index_select(0, at::nonzero(own < 0).view(-1)), 0);
+        firsts = firsts_of(final - first + 1, since, (slots - first).index_select(0, at::nonzero(own < 0).view(-1)),
+                           last.options());
       }
       std::vector<at::Tensor> pk, pv;
       for (int64_t i = 0; g >= 0 && i < layers; ++i) {
@@ -214,11 +220,12 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
   TORCH_CHECK(prefix_keys.size() == prefix_values.size() && prefix_keys.size() % layers == 0,
               "dense_layers: prefix_keys and prefix_values must be empty or groups [KV, since, D] a layer");
   const int64_t prefixes = static_cast<int64_t>(prefix_keys.size() / layers);
+  const int64_t lowest = prefix_of.numel() ? prefix_of.min().item<int64_t>() : 0;
   TORCH_CHECK(prefix_of.numel() == 0
                   ? prefixes <= 1
                   : prefixes >= 1 && prefix_of.dim() == 1 && prefix_of.scalar_type() == at::kLong &&
-                        prefix_of.numel() == x.size(0) / std::max<int64_t>(width, 1) &&
-                        prefix_of.min().item<int64_t>() >= -1 && prefix_of.max().item<int64_t>() < prefixes,
+                        prefix_of.numel() == x.size(0) / std::max<int64_t>(width, 1) && lowest >= -1 &&
+                        prefix_of.max().item<int64_t>() < prefixes,
               "dense_layers: prefix_of must be empty for one prefix that every row shares, else each row's "
               "group [rows] (int64, 0..groups - 1, or -1 for a row that shares none)");
   for (size_t i = 0; i < prefix_keys.size(); ++i)
@@ -245,16 +252,16 @@ at::Tensor dense_layers(at::Tensor x, at::TensorList ln1, at::TensorList qkv, in
   const int64_t groups = (rows + per_group - 1) / per_group;
   // rows that share no prefix (prefix_of -1) attend their slots from position 0, the others
   // from since (``firsts``, per slot of the window: gaps' queries see no keys either way)
-  const bool lone = prefix_of.numel() && prefix_of.min().item<int64_t>() < 0;
+  const bool lone = lowest < 0;
   if ((prefixes > 1 || lone) && at::get_num_threads() > 1 && !at::in_parallel_region())
     return layers_by_prefix(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
                             kv_heads, eps, scale, slot, pos, lo, width, since, keys_end, last, rows_at, prefix_keys,
                             prefix_values, prefix_of, std::max(per_group, (rows + at::get_num_threads() - 1) /
                                                                             at::get_num_threads()));
   if (lone) {
-    auto firsts = at::full({n}, since, last.options());
-    firsts.index_fill_(0, (gaps ? rows_at.to(at::kLong) : at::arange(rows, last.options())).index_select(
-                              0, at::nonzero(prefix_of < 0).view(-1)), 0);
+    const auto firsts = firsts_of(n, since, (gaps ? rows_at.to(at::kLong) : at::arange(rows, last.options()))
+                                                .index_select(0, at::nonzero(prefix_of < 0).view(-1)),
+                                  last.options());
     return layers_over(x, ln1, qkv, qkv_n, o, ln2, gate_up, gu_n, down, keys, values, cos, ssin, heads,
                        kv_heads, eps, scale, slot, pos, lo, width, 0, keys_end, last, rows_at, prefix_keys,
                        prefix_values, prefix_of, firsts);
