@@ -102,7 +102,7 @@ def attend_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # positions of their own ran 1.26x / 1.21x as fast (one / two threads; 2-core AMD EPYC, Zen 3,
 # AVX2), beside 8 of 100 1.36x / 1.25x, 8 sharing 400 beside 8 of 820 1.17x / 1.12x, 8 sharing
 # 250 or 128 beside 8 of 100 1.02-1.05x, 16 sharing 128 beside 8 of 100 1.19x on two threads;
-# where the layer loop took the group (14 sharing 800 beside 2 of 820), 1.00x / 1.03x
+# where the layer loop took the group (14 sharing 800 beside 2 of 820), 1.00x / 0.99-1.03x
 # (docs/performance.md, 2026-11-30):
 PREFIX_MIN_QUERIES = 16
 PART_MIN_QUERIES = 8
