@@ -270,11 +270,10 @@ def _error(call) -> openai.APIStatusError:
     ({"top_p": 0}, 400, "top_p", "top_p must be in (0, 1], got 0"),
     ({"max_tokens": 0}, 400, "max_tokens", "max_tokens must be in 1..512, got 0"),
     ({"max_tokens": 513}, 400, "max_tokens", "max_tokens must be in 1..512, got 513"),
-    ({"n": 2}, 400, "n", "n must be 1 (one choice per request), got 2"),
+    ({"n": 0}, 400, "n", "n must be in 1..128, got 0"),
     ({"logprobs": 21}, 400, "logprobs", "logprobs must be in 0..20, got 21"),
+    ({"best_of": 2}, 400, "best_of", "best_of must be 1, got 2"),
     ({"stop": [""]}, 400, "stop", "stop strings must be 1..256 characters"),
-    ({"prompt": ["a", "b"]}, 400, "prompt", "prompt holds 2 prompts: send one prompt per "
-                                            "request"),
     ({"extra_body": {"top_k": -2}}, 400, "top_k", "top_k must be >= 0 (0 = off), got -2"),
     ({"presence_penalty": 1.0}, 400, "presence_penalty", "presence_penalty is not supported"),
     ({"model": "gpt-4"}, 404, "model", "the model 'gpt-4' does not exist"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,9 +20,10 @@ from opentelemetry import trace
 from starlette.exceptions import HTTPException
 
 from gateway.auth import Authenticator
-from gateway.chunks import Chunk, collect
+from gateway.chunks import Chunk
 from gateway.engine import GenerationEngine
 from gateway.http.chat import has_template, render_chat, validate_messages
+from gateway.http.choices import choice_specs, first_chunks, merged, total_usage, wholes
 from gateway.http.errors import ApiError, from_exception
 from gateway.http.observe import Observe
 from gateway.http.responses import Formatter
@@ -31,7 +33,7 @@ from gateway.http.schemas import (
     CompletionRequest,
     chat_door,
     param_error,
-    prompt_of,
+    prompts_of,
     spec_of,
 )
 from gateway.requests import Door, GenerationSpec
@@ -84,12 +86,11 @@ class OpenAIApi:
     async def completions(self, body: CompletionRequest, request: Request):
         tenant = await self.ctx.auth.authenticate(_metadata(request))
         self.check_model(body.model)
-        prompt, prompt_ids = prompt_of(body)
-        spec = spec_of(body, self.ctx.config, self.engine.limits.vocab_size, prompt, prompt_ids,
-                       COMPLETIONS, logprobs=body.logprobs is not None,
-                       top_logprobs=body.logprobs)
-        fmt = Formatter(self.tokenizer, self.ids[0], chat=False, logprobs=spec.logprobs)
-        return await self._respond(spec, fmt, body, tenant, COMPLETIONS)
+        specs = [spec_of(body, self.ctx.config, self.engine.limits.vocab_size, prompt, ids,
+                         COMPLETIONS, logprobs=body.logprobs is not None,
+                         top_logprobs=body.logprobs) for prompt, ids in prompts_of(body)]
+        fmt = Formatter(self.tokenizer, self.ids[0], chat=False, logprobs=specs[0].logprobs)
+        return await self._respond(specs, fmt, body, tenant, COMPLETIONS)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         tenant = await self.ctx.auth.authenticate(_metadata(request))
@@ -105,7 +106,7 @@ class OpenAIApi:
             ids = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=False)
             spec = replace(spec, prompt="", prompt_ids=tuple(ids["input_ids"]))
         fmt = Formatter(self.tokenizer, self.ids[0], chat=True, logprobs=spec.logprobs)
-        return await self._respond(spec, fmt, body, tenant, door)
+        return await self._respond([spec], fmt, body, tenant, door)
 
     async def close_session(self, session_id: str, request: Request) -> dict:
         tenant = await self.ctx.auth.authenticate(_metadata(request))
@@ -113,48 +114,63 @@ class OpenAIApi:
         return {"id": session_id, "object": "session.deleted", "deleted": True,
                 "committed_tokens": count}
 
-    async def _respond(self, spec: GenerationSpec, fmt: Formatter, body, tenant, door: Door):
+    async def _respond(self, prompts: list[GenerationSpec], fmt: Formatter, body, tenant,
+                       door: Door):
+        """Runs the request's choices (each prompt ``n`` times: gateway/http/choices.py)."""
+        specs = choice_specs(prompts, body.n, self.ctx.config.max_inflight)
+        span = trace.get_current_span()
         if body.user:
-            trace.get_current_span().set_attribute("gen_ai.request.user", body.user)
-        chunks = self.engine.generate(spec, lambda: None, tenant)
-        try:  # errors before the first token are the request's HTTP status
-            first = await anext(chunks)
+            span.set_attribute("gen_ai.request.user", body.user)
+        if len(specs) > 1:
+            span.set_attribute("gen_ai.request.choice.count", len(specs))
+        streams = [self.engine.generate(spec, lambda: None, tenant) for spec in specs]
+        n = len(specs) // len(prompts)
+        try:  # errors before the first tokens are the request's HTTP status
+            firsts = await first_chunks(streams)
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
-                return EventSourceResponse(self._events(chunks, first, fmt, usage))
-            whole = await collect(chunks, first)
+                return EventSourceResponse(self._events(streams, firsts, fmt, usage, n))
+            collected = await wholes(streams, firsts)
         except InvalidArgument as exc:
-            await chunks.aclose()
+            await _close(streams)
             raise param_error(exc, door) from None
         except BaseException:
-            await chunks.aclose()
+            await _close(streams)
             raise
-        return fmt.whole(whole)
+        return fmt.whole(collected, total_usage([w.usage for w in collected], n))
 
     @staticmethod
-    async def _events(chunks: AsyncIterator[Chunk], first: Chunk, fmt: Formatter,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The SSE stream: a chunk per round, the usage chunk when asked, then [DONE]. An
-        error after the first chunk ends the stream with one error event (the status is
-        already sent)."""
-        chunk, last = first, None
+    async def _events(streams: list[AsyncIterator[Chunk]], firsts: list[Chunk], fmt: Formatter,
+                      include_usage: bool, n: int) -> AsyncIterator[bytes]:
+        """The SSE stream: a chunk per round of each choice, the usage chunk when asked, then
+        [DONE]. An error after the first chunks ends the stream with one error event (the
+        status is already sent)."""
+        last: dict[int, Chunk] = {}
+        single = len(streams) == 1  # (several choices keep no session: "" for it)
         try:
-            while True:
-                data = fmt.stream_chunk(chunk, include_usage, first=chunk is first)
-                yield format_sse_event(data_str=json.dumps(data))
-                if chunk.finish is not None:
-                    last = chunk
-                    break
-                chunk = await anext(chunks)
+            async with aclosing(merged(streams, firsts)) as chunks:
+                async for i, chunk in chunks:
+                    data = fmt.stream_chunk(chunk, include_usage, first=chunk is firsts[i],
+                                            index=i, session_id=None if single else "")
+                    yield format_sse_event(data_str=json.dumps(data))
+                    if chunk.finish is not None:
+                        last[i] = chunk
             if include_usage:
-                yield format_sse_event(data_str=json.dumps(fmt.usage_chunk(last)))
+                usage = total_usage([last[i].usage for i in range(len(streams))], n)
+                ended = last[0].session_id if single else ""
+                yield format_sse_event(data_str=json.dumps(fmt.usage_chunk(usage, ended)))
             yield format_sse_event(data_str="[DONE]")
         except Exception as exc:  # noqa: BLE001 - reported in the stream itself
             error = from_exception(exc)
             trace.get_current_span().set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
             yield format_sse_event(data_str=json.dumps(error.body()))
         finally:
-            await chunks.aclose()
+            await _close(streams)
+
+
+async def _close(streams: list[AsyncIterator[Chunk]]) -> None:
+    for stream in streams:
+        await stream.aclose()
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

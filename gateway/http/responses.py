@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 
 from gateway.chunks import Chunk, Finish, Usage
 
@@ -28,13 +29,14 @@ class Formatter:
         self.tokenizer, self.model, self.chat, self.logprobs = tokenizer, model, chat, logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text_offset = 0
+        self.text_offsets: dict[int, int] = {}  # each choice's text so far (completions)
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def logprobs_body(self, chunk: Chunk, text_before: int = 0):
-        """The logprobs of the chunk's tokens in the endpoint's shape (None when not asked)."""
+    def logprobs_body(self, chunk: Chunk, index: int = 0):
+        """The logprobs of choice ``index``'s next chunk in the endpoint's shape (None when
+        not asked)."""
         if self.logprobs < 0:
             return None
         if self.chat:
@@ -46,10 +48,11 @@ class Formatter:
                                  for i, lp in zip(t.top_ids, t.top_logprobs, strict=True)],
             } for t in chunk.logprobs]}
         tokens = [self._token(t.token_id) for t in chunk.logprobs]
-        offsets = []
+        offsets, offset = [], self.text_offsets.get(index, 0)
         for token in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self.text_offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": [t.logprob for t in chunk.logprobs],
                 "top_logprobs": [{self._token(i): lp for i, lp in
                                   zip(t.top_ids, t.top_logprobs, strict=True)}
@@ -60,21 +63,27 @@ class Formatter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage, "session_id": session_id}
 
-    def whole(self, whole: Chunk) -> dict:
-        """The non-streamed body of a generation's chunks collected into one."""
-        choice = {"index": 0, "logprobs": self.logprobs_body(whole),
-                  "finish_reason": FINISH[whole.finish]}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": whole.text}
-        else:
-            choice["text"] = whole.text
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
-                              usage_body(whole.usage), whole.session_id)
+    def whole(self, wholes: Sequence[Chunk], usage: Usage) -> dict:
+        """The non-streamed body: each choice's chunks collected into one (gateway/chunks.py
+        ``collect``), in order, and the request's usage. The session is the one choice's (a
+        request of several keeps none)."""
+        choices = []
+        for index, whole in enumerate(wholes):
+            choice = {"index": index, "logprobs": self.logprobs_body(whole, index),
+                      "finish_reason": FINISH[whole.finish]}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": whole.text}
+            else:
+                choice["text"] = whole.text
+            choices.append(choice)
+        return self._envelope("chat.completion" if self.chat else "text_completion", choices,
+                              usage_body(usage), wholes[0].session_id if len(wholes) == 1 else "")
 
-    def stream_chunk(self, chunk: Chunk, include_usage: bool, first: bool = False) -> dict:
-        """One streamed chunk: the round's text delta (a chat stream's first also carries
-        the assistant role), and on the last the finish reason."""
-        choice = {"index": 0, "logprobs": self.logprobs_body(chunk),
+    def stream_chunk(self, chunk: Chunk, include_usage: bool, first: bool = False,
+                     index: int = 0, session_id: str | None = None) -> dict:
+        """One streamed chunk of choice ``index``: the round's text delta (a chat choice's
+        first also carries the assistant role), and on its last the finish reason."""
+        choice = {"index": index, "logprobs": self.logprobs_body(chunk, index),
                   "finish_reason": FINISH[chunk.finish]}
         if self.chat:
             delta = {"role": "assistant"} if first else {}
@@ -84,12 +93,13 @@ class Formatter:
         else:
             choice["text"] = chunk.text
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion",
-                              [choice], None, chunk.session_id)
+                              [choice], None,
+                              chunk.session_id if session_id is None else session_id)
         if not include_usage:
             del body["usage"]
         return body
 
-    def usage_chunk(self, last: Chunk) -> dict:
+    def usage_chunk(self, usage: Usage, session_id: str) -> dict:
         """stream_options.include_usage: the extra last chunk, no choices, the usage."""
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
-                              usage_body(last.usage), last.session_id)
+                              usage_body(usage), session_id)

@@ -80,8 +80,6 @@ class ChatCompletionRequest(_Common):
 
 def _unsupported(body: _Common) -> None:
     """400 for OpenAI features with a non-default value that this server does not offer."""
-    if body.n not in (None, 1):
-        raise bad_request(f"n must be 1 (one choice per request), got {body.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(body, name)
         if value not in (None, 0, 0.0):
@@ -103,19 +101,20 @@ def _unsupported(body: _Common) -> None:
             raise bad_request("response_format must be {\"type\": \"text\"}", "response_format")
 
 
-def prompt_of(body: CompletionRequest) -> tuple[str, tuple[int, ...]]:
-    """(text, token ids) of /v1/completions' prompt: one string or one list of token ids."""
+def prompts_of(body: CompletionRequest) -> list[tuple[str, tuple[int, ...]]]:
+    """(text, token ids) of each prompt of /v1/completions' ``prompt``: a string, a list of
+    token ids, or a list of either (one choice each, specmesh's gateway/http/choices.py)."""
     p = body.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise bad_request(f"prompt holds {len(p)} prompts: send one prompt per request",
-                              "prompt")
-        p = p[0]
-    if isinstance(p, list):
-        if any(isinstance(t, bool) for t in p):
-            raise bad_request("prompt token ids must be integers, not booleans", "prompt")
-        return "", tuple(p)
-    return p or "", ()
+    many = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+    out = []
+    for one in many:
+        if isinstance(one, list):
+            if any(isinstance(t, bool) for t in one):
+                raise bad_request("prompt token ids must be integers, not booleans", "prompt")
+            out.append(("", tuple(one)))
+        else:
+            out.append((one or "", ()))
+    return out
 
 
 def param_error(exc: InvalidArgument, door: Door) -> ApiError:
