@@ -18,8 +18,13 @@ from gateway.http.choices import MAX_N, choice_specs, merged, total_usage
 from gateway.http.errors import ApiError
 from gateway.requests import GenerationSpec
 from services.params import SamplingParams
+from tests import test_openai_api
 from tests.conftest import hf_greedy
-from tests.test_openai_api import PROMPTS, client, http_mesh, pair, target  # noqa: F401
+from tests.test_openai_api import PROMPTS
+
+# the same fixtures as test_openai_api's (module-scoped: this module starts its own mesh)
+pair, http_mesh, client, target = (test_openai_api.pair, test_openai_api.http_mesh,
+                                   test_openai_api.client, test_openai_api.target)
 
 # -- in process ------------------------------------------------------------------------------
 
