@@ -54,7 +54,8 @@ class BenchOptions:
     max_new_tokens: int = 128
     threads: int = 1
     device: str = "cpu"
-    seed: int = 0
+    temperature: float = 0.0  # 0: greedy
+    seed: int | None = None  # sent with every request when given
     timeout_s: float = 600.0
     repeat: int = 1  # runs of every cell; its row is the median run
     per_stream: int = 4  # a cell runs at least this many requests a stream (cell_requests)
@@ -112,7 +113,7 @@ def run_bench(address: str, prompts: list[dict], modes: list[Mode], opts: BenchO
             hf_rows = run_hf_rows(hf_pair, hf_modes, texts, opts, progress, outputs)
             stolen = steal.share(clock, steal.read())  # (one run loads and runs them all)
             rows += [{**r, "steal": stolen} for r in hf_rows]
-    base = bench_baselines.compare(rows, outputs)
+    base = bench_baselines.compare(rows, outputs, sampled=opts.temperature > 0)
     target_1 = next((r for r in rows if r["mode"] == TARGET_KEY and r["concurrency"] == 1), None)
     costs = [cost_figures(target_1, r, mode.k, mode.drafter) for mode in gateway_modes
              for r in rows if target_1 and r["concurrency"] == 1 and r["mode"] == mode.key
@@ -134,7 +135,7 @@ def run_hf_rows(pair: tuple[str, str], modes: list[Mode], texts: list[str], opts
                                        for m in modes],
                      max_new_tokens=opts.max_new_tokens,
                      threads=hf_threads(opts.threads, os.cpu_count()), device=opts.device,
-                     seed=opts.seed,
+                     seed=opts.seed, temperature=opts.temperature,
                      progress=lambda s: progress(f"{labels[s.key]} @ 1", len(texts)))
     rows = []
     for m in modes:
@@ -221,8 +222,16 @@ def bench(
                          ] = 1,
     out: Annotated[Path, typer.Option(help="Where bench.json, bench.md and the PNG plots go.")
                    ] = Path("bench-results"),
-    seed: Annotated[int, typer.Option(help="Sampling seed sent with every request (greedy "
-                                           "output does not depend on it).")] = 0,
+    temperature: Annotated[float, typer.Option(
+        min=0.0, max=2.0, help="0 (the default) decodes greedily, and every mode's output "
+                               "must equal target-only's; above 0 every row samples at this "
+                               "temperature (the OpenAI API's default is 1), and outputs are "
+                               "not compared.")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="With --temperature: the seed sent with every "
+                                                  "request (a seeded sample keeps a fixed k "
+                                                  "and one-token plain rounds, so that it "
+                                                  "draws the same again); default none, as "
+                                                  "most clients send.")] = None,
     timeout: Annotated[float, typer.Option(help="Deadline of one request, seconds.")] = 600.0,
     shared_prefix: Annotated[int, typer.Option(
         min=0, help="The shared-prefix workload: every prompt preceded by the same context of "
@@ -318,7 +327,8 @@ def bench(
     except OSError as exc:
         raise typer.BadParameter(f"--peer: a peer does not answer at its /models: {exc}") from exc
     opts = BenchOptions(concurrency=levels, k=k, max_new_tokens=max_new_tokens, threads=threads,
-                        device=device, seed=seed, timeout_s=timeout, repeat=repeat,
+                        device=device, temperature=temperature, seed=seed, timeout_s=timeout,
+                        repeat=repeat,
                         per_stream=per_stream, max_steal=max_steal, steal_reruns=steal_reruns)
     chosen = load_prompts(prompt_file or PROMPTS_PATH, prompts)
     mode_list = make_modes(keys, k)
@@ -377,7 +387,8 @@ def bench(
                      "hf_threads": hf_threads(threads, os.cpu_count()), "device": device,
                      "drafter_device": drafter_device,
                      "verifier_replicas": replicas,
-                     "seed": seed, "shared_prefix_tokens": prefix_tokens,
+                     "temperature": temperature, "seed": seed,
+                     "shared_prefix_tokens": prefix_tokens,
                      "shared_prefixes": shared_prefixes if prefix_tokens else 0,
                      "unshared_every": unshared_every if prefix_tokens else 0,
                      "address": address,

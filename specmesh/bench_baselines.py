@@ -53,9 +53,11 @@ def baselines(rows: list[dict], base: str, labels: dict[str, str]) -> dict:
             "serving_path_overhead": serving_path_overhead(rows)}
 
 
-def compare(rows: list[dict], outputs: dict[tuple[str, int], list[dict]]) -> str:
+def compare(rows: list[dict], outputs: dict[tuple[str, int], list[dict]],
+            sampled: bool = False) -> str:
     """Fills each row's ``speedup`` (over the base, see the module docstring), ``vs_target`` and
-    ``outputs_match`` (None without a target-only row; compared with target-only's outputs at
+    ``outputs_match`` (None without a target-only row, and for ``sampled`` runs, whose modes
+    draw other samples of the same distribution; else compared with target-only's outputs at
     the first concurrency measured). Returns the base's mode key."""
     base = speedup_base(rows)
     targets = {r["concurrency"]: r for r in rows if r["mode"] == TARGET_KEY}
@@ -67,7 +69,7 @@ def compare(rows: list[dict], outputs: dict[tuple[str, int], list[dict]]) -> str
         b = _row(rows, base, 1) if base == PLAIN_KEY else t
         row["speedup"] = ratio(row["tokens_per_s"], b.get("tokens_per_s"))
         row["vs_target"] = ratio(row["tokens_per_s"], t.get("tokens_per_s"))
-        if first is None or row["mode"].startswith(PEER_PREFIX):
+        if first is None or sampled or row["mode"].startswith(PEER_PREFIX):
             row["outputs_match"], row["mismatched_prompts"] = None, []
             continue
         bad = sorted({rec["prompt_index"] for rec in outputs[(row["mode"], row["concurrency"])]

@@ -52,7 +52,8 @@ def peer_row(peer: Peer, model: str, texts: list[str], c: int, opts: BenchOption
                        cell_requests(len(texts), c, opts.per_stream))
     cpu = ProcessCpu.serving(peer.url)  # found per cell: a peer may be restarted in between
     (records, wall), by_process = _cpu_during(cpu, lambda: run_peer_level(
-        peer, model, texts, c, opts.max_new_tokens, opts.timeout_s, advance, opts.per_stream))
+        peer, model, texts, c, opts.max_new_tokens, opts.timeout_s, advance, opts.per_stream,
+        opts.temperature, opts.seed))
     outputs.setdefault((peer.key, c), []).extend(records)
     summary = bench_report.summarize(records, wall)
     return {"mode": peer.key, "label": f"{peer.name} ({peer.url}, {model})", "concurrency": c,

@@ -21,7 +21,8 @@ def stream_one(client, prompt_index: int, prompt: str, mode: Mode, opts: BenchOp
 
     from specmesh.client import build_request
 
-    request = build_request(prompt, max_new_tokens=opts.max_new_tokens, temperature=0.0,
+    request = build_request(prompt, max_new_tokens=opts.max_new_tokens,
+                            temperature=opts.temperature,
                             seed=opts.seed, num_draft_tokens=mode.k,
                             disable_speculation=mode.disable, drafter=mode.drafter)
     rec = {"prompt_index": prompt_index, "token_ids": [], "completion_tokens": 0, "rounds": 0,

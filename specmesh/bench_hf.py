@@ -140,10 +140,11 @@ def _quiet_threads(threads: int) -> Iterator[None]:
 
 def generate_set(target, tok, prompts: list[str], *, draft=None, max_new_tokens: int,
                  device: str = "cpu", warmup: bool = True, static_cache: bool = False,
+                 temperature: float = 0.0,
                  progress: Callable[[], None] | None = None) -> HfResult:
-    """Every prompt once, one after another, greedy: plain generate without ``draft`` (with a
-    static KV cache if ``static_cache``), assisted generation with it (under the draft's
-    generation config as it is now)."""
+    """Every prompt once, one after another, greedy (or sampled at ``temperature`` > 0):
+    plain generate without ``draft`` (with a static KV cache if ``static_cache``), assisted
+    generation with it (under the draft's generation config as it is now)."""
     import torch
 
     if static_cache and draft is not None:
@@ -153,11 +154,13 @@ def generate_set(target, tok, prompts: list[str], *, draft=None, max_new_tokens:
         eos[0] if isinstance(eos, list) else eos)
     extra = ({"assistant_model": draft} if draft is not None
              else {"cache_implementation": "static"} if static_cache else {})
+    extra |= ({"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0
+              else {"do_sample": False})
 
     def generate(prompt: str, n: int, clock=None):
         enc = tok(prompt, return_tensors="pt").to(device)
         with torch.inference_mode():
-            out = target.generate(**enc, **extra, do_sample=False, max_new_tokens=n,
+            out = target.generate(**enc, **extra, max_new_tokens=n,
                                   pad_token_id=pad, streamer=clock)
         return enc["input_ids"].shape[1], out[0].tolist()
 
@@ -199,7 +202,8 @@ def generate_set(target, tok, prompts: list[str], *, draft=None, max_new_tokens:
 
 def run_hf(target_path: str, draft_path: str | None, prompts: list[str],
            settings: list[HfSetting], *, max_new_tokens: int, threads: int,
-           device: str = "cpu", seed: int = 0, warmup: bool = True,
+           device: str = "cpu", seed: int | None = None, temperature: float = 0.0,
+           warmup: bool = True,
            progress: Callable[[HfSetting], Callable[[], None] | None] | None = None
            ) -> dict[str, HfResult]:
     """Each setting's run of the prompt set, in order, with the models loaded once (the draft
@@ -221,11 +225,12 @@ def run_hf(target_path: str, draft_path: str | None, prompts: list[str],
             if s.assistant and s.k:
                 set_fixed_k(draft, s.k)
             try:
-                torch.manual_seed(seed)
+                torch.manual_seed(0 if seed is None else seed)
                 results[s.key] = generate_set(
                     target, tok, prompts, draft=draft if s.assistant else None,
                     max_new_tokens=max_new_tokens, device=device, warmup=warmup,
-                    static_cache=s.static_cache, progress=progress(s) if progress else None)
+                    static_cache=s.static_cache, temperature=temperature,
+                    progress=progress(s) if progress else None)
             finally:
                 if draft is not None:
                     draft.generation_config = saved

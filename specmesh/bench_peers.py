@@ -65,10 +65,13 @@ def served_model(peer: Peer, timeout_s: float = 10.0) -> str:
 
 
 def complete_one(peer: Peer, model: str, prompt_index: int, prompt: str, max_new_tokens: int,
-                 timeout_s: float) -> dict:
-    """One streamed completion, as a bench record (specmesh.bench_gateway.stream_one's shape)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+                 timeout_s: float, temperature: float = 0.0, seed: int | None = None) -> dict:
+    """One streamed completion, as a bench record (specmesh.bench_gateway.stream_one's shape):
+    greedy, or sampled at ``temperature`` (with ``seed`` when given)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens,
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if seed is not None:
+        body["seed"] = seed
     rec = {"prompt_index": prompt_index, "token_ids": [], "text": "", "completion_tokens": 0,
            "rounds": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "ttft_s": None,
            "latency_s": 0.0, "error": "", "chunks": []}
@@ -101,7 +104,8 @@ def complete_one(peer: Peer, model: str, prompt_index: int, prompt: str, max_new
 
 
 def run_peer_level(peer: Peer, model: str, prompts: list[str], concurrency: int,
-                   max_new_tokens: int, timeout_s: float, advance=None, per_stream: int = 1
+                   max_new_tokens: int, timeout_s: float, advance=None, per_stream: int = 1,
+                   temperature: float = 0.0, seed: int | None = None
                    ) -> tuple[list[dict], float]:
     """One cell, as the mesh's rows run theirs (specmesh.bench_workers.run_workers, over
     ``cell_requests``): the records (sorted by prompt) and the wall time."""
@@ -109,4 +113,5 @@ def run_peer_level(peer: Peer, model: str, prompts: list[str], concurrency: int,
     return run_workers(
         concurrency, n, lambda _, j: complete_one(peer, model, j % len(prompts),
                                                   prompts[j % len(prompts)], max_new_tokens,
-                                                  timeout_s), advance=advance)
+                                                  timeout_s, temperature, seed),
+        advance=advance)

@@ -118,6 +118,13 @@ def run_notes(report: dict) -> list[str]:
     """Notes on what the run measured: the speedup base, figures that are n/a and why, the
     HF assistant's settings, the load."""
     notes, rows = [], report["rows"]
+    settings = report.get("settings") or {}
+    if settings.get("temperature"):
+        seed = settings.get("seed")
+        notes.append(f"Sampled at temperature {settings['temperature']:g} "
+                     f"({'seed ' + str(seed) if seed is not None else 'no seed'}): outputs are "
+                     "not compared (each mode draws other samples of the same distribution), "
+                     "and a completion may end early at an end-of-sequence token.")
     if report["baselines"]["speedup_base"] != PLAIN_KEY:
         notes.append("No plain HF generate row (hf-plain not run): speedups are over SpecMesh "
                      "target-only at the same concurrency, serving-path overhead included.")

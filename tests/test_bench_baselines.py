@@ -79,6 +79,26 @@ def test_peer_rows_are_not_compared_with_target_only():
     assert rows[1]["outputs_match"] is None and rows[1]["vs_target"] == pytest.approx(3.0)
 
 
+def test_sampled_runs_compare_no_outputs_but_still_their_speed():
+    """--temperature > 0: every mode draws other samples of the same distribution, so a
+    different output is no mismatch (nor is an equal one a match); the speeds are still set
+    against target-only's, and the notes say that the run sampled and how."""
+    rows = [_row("target", 1, 50.0), _row("default", 1, 60.0)]
+    outputs = {("target", 1): _out([1, 2]), ("default", 1): _out([1, 3])}
+    compare(rows, outputs, sampled=True)
+    assert [r["outputs_match"] for r in rows] == [None, None]
+    assert rows[1]["vs_target"] == pytest.approx(1.2)
+    compare(rows, outputs)  # greedy: the same records are a mismatch
+    assert rows[1]["outputs_match"] is False
+    report = {"rows": rows, "baselines": {"speedup_base": "target"},
+              "settings": {"temperature": 0.8, "seed": None},
+              "machine": {"load_average_start": [0.5], "load_average_end": [0.7], "cores": 2}}
+    assert any(n.startswith("Sampled at temperature 0.8 (no seed): outputs are not compared")
+               for n in run_notes(report))
+    report["settings"] = {"temperature": 0.0, "seed": 3}
+    assert not any(n.startswith("Sampled") for n in run_notes(report))
+
+
 def test_scaling_16_and_the_lowest_ratio_over_target_only():
     rows = [_row("target", 1, 50.0), _row("target", 16, 400.0), _row("model", 1, 100.0),
             _row("model", 16, 380.0)]

@@ -91,3 +91,21 @@ def test_the_static_cache_row_runs_on_a_static_cache_and_gives_the_same_ids(targ
     assert [r["token_ids"] for r in res.records] == [_greedy(model, tok, p) for p in PROMPTS]
     with pytest.raises(ValueError, match="plain generate only"):
         generate_set(model, tok, PROMPTS, draft=model, max_new_tokens=2, static_cache=True)
+
+
+def test_sampled_rows_draw_by_the_seed_at_the_temperature(tiny_pair, hf_results):
+    """`specmesh bench --temperature`: the HF rows sample (plain and assisted), the same seed
+    draws the same ids again, another seed others, and neither is the greedy output."""
+    target, draft = tiny_pair
+    settings = [HfSetting("hf-plain"), HfSetting("hf", assistant=True, k=3)]
+
+    def ids(seed: int) -> dict[str, list[list[int]]]:
+        res = run_hf(target, draft, PROMPTS, settings, max_new_tokens=MAX_NEW, threads=1,
+                     warmup=False, seed=seed, temperature=1.0)
+        return {key: [r["token_ids"] for r in res[key].records] for key in res}
+
+    first, again, other = ids(1), ids(1), ids(2)
+    greedy = [r["token_ids"] for r in hf_results["hf-plain"].records]
+    assert first == again
+    for key in ("hf-plain", "hf"):
+        assert first[key] != other[key] and first[key] != greedy, key

@@ -94,6 +94,12 @@ def test_the_bench_runs_an_openai_server_as_a_peer(http_mesh, client):
         assert rec["text"] == want.choices[0].text
         assert rec["completion_tokens"] == want.usage.completion_tokens > 0
         assert 0 < rec["ttft_s"] <= rec["latency_s"]
+    # --temperature (and --seed): the peer samples, the same seed drawing the same text
+    sampled = [complete_one(peer, model, 0, PROMPTS[0], 16, 60.0, temperature=1.0, seed=s)
+               ["text"] for s in (5, 5, 6, 7)]
+    want = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16,
+                                     temperature=1.0, seed=5).choices[0].text
+    assert sampled[0] == sampled[1] == want and len(set(sampled)) > 1
     dead = Peer("dead", f"http://127.0.0.1:{free_port()}/v1")
     with pytest.raises(OSError):
         served_model(dead)
