@@ -210,3 +210,32 @@ def test_bad_choices_are_400_naming_the_field(client, pair, kwargs, param, messa
         client.completions.create(**args)
     assert err.value.status_code == 400 and err.value.body["param"] == param
     assert message in err.value.body["message"]
+
+
+def _counter(metrics_port: int, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_a_client_that_leaves_a_stream_of_choices_stops_every_choice(client, http_mesh, pair):
+    """Eight streamed choices of 512 tokens each; the client reads the first chunk and closes
+    the connection: every choice's generation ends (no request stays in flight) having
+    decoded a small part of the 4,096 tokens the choices would have run to."""
+    import time
+
+    port = http_mesh[2]
+    before = _counter(port, "specmesh_tokens_generated_total")
+    stream = client.completions.create(model=pair[0], prompt=PROMPTS[0], max_tokens=512,
+                                       temperature=0, n=8, stream=True)
+    assert next(iter(stream)).choices
+    assert _counter(port, "specmesh_requests_active") == 8
+    stream.close()
+    deadline = time.monotonic() + 10
+    while _counter(port, "specmesh_requests_active") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _counter(port, "specmesh_requests_active") == 0
+    assert _counter(port, "specmesh_tokens_generated_total") - before < 4096 / 4
