@@ -1,6 +1,6 @@
 """Chaos under load (`specmesh load --chaos`, tests/test_chaos.py): a mesh with two of every
-tier and a Redis of its own, concurrent greedy streams, and replicas of every tier and Redis
-SIGKILLed and started again in turn while the streams run.
+tier and a Redis of its own, concurrent greedy (or seeded sampled) streams, and replicas of
+every tier and Redis SIGKILLed and started again in turn while the streams run.
 
 A client here does what the README tells a client to do: a stream cut after some chunks is
 resumed on the other gateway with ``session_id`` + ``resume_from`` (the offset after the last
@@ -47,6 +47,13 @@ class ChaosOptions:
     request_timeout_s: float = 180.0  # one request, its resumes and retries included
     restart_timeout_s: float = 180.0
     seed: int = 0
+    temperature: float = 0.0  # > 0: each prompt sampled with a seed of its own (sample_seed)
+
+
+def sample_seed(opts: ChaosOptions, prompt_index: int) -> int | None:
+    """The seed of a prompt's requests: a seeded sample must draw the same tokens however
+    its stream is cut, resumed or sent again (None: greedy)."""
+    return (opts.seed << 16) + prompt_index if opts.temperature > 0 else None
 
 
 @dataclass
@@ -162,9 +169,10 @@ def _attempt(client, request, rec: ChaosRecord, expect_offset: int | None, timeo
 def chaos_request(clients: list, first: int, prompt_index: int, prompt: str,
                   opts: ChaosOptions, abort: threading.Event | None = None,
                   on_start: Callable[[ChaosRecord], None] = lambda rec: None) -> ChaosRecord:
-    """One greedy request that resumes or retries as documented until it completes or its
-    deadline passes. ``clients``: a GatewayClient per gateway; ``first``: which to try first;
-    ``abort`` set: give up at once (Ctrl-C); ``on_start`` gets the record as it begins."""
+    """One greedy (or seeded sampled) request that resumes or retries as documented until it
+    completes or its deadline passes. ``clients``: a GatewayClient per gateway; ``first``:
+    which to try first; ``abort`` set: give up at once (Ctrl-C); ``on_start`` gets the record
+    as it begins."""
     import grpc
 
     from specmesh.client import build_request
@@ -189,7 +197,9 @@ def chaos_request(clients: list, first: int, prompt_index: int, prompt: str,
                                     resume_from=base[0] + len(rec.tokens))
         else:
             rec.tokens, rec.session_id = [], ""
-            request = build_request(prompt, max_new_tokens=opts.max_new_tokens)
+            request = build_request(prompt, max_new_tokens=opts.max_new_tokens,
+                                    temperature=opts.temperature,
+                                    seed=sample_seed(opts, prompt_index))
         rec.gateway = gateway
         try:
             _attempt(clients[gateway], request, rec,
@@ -216,14 +226,16 @@ def chaos_request(clients: list, first: int, prompt_index: int, prompt: str,
 Reference = dict[int, tuple[list[int], int]]  # prompt index -> (token ids, finish reason)
 
 
-def reference_outputs(address: str, prompts: tuple[str, ...], max_new_tokens: int) -> Reference:
-    """Each prompt once on the intact mesh, before any kill."""
+def reference_outputs(address: str, prompts: tuple[str, ...], opts: ChaosOptions) -> Reference:
+    """Each prompt once on the intact mesh, before any kill (sampled: with its seed)."""
     from specmesh.client import GatewayClient, build_request
 
     out: Reference = {}
     with GatewayClient(address) as client:
         for i, prompt in enumerate(prompts):
-            reply = client.generate(build_request(prompt, max_new_tokens=max_new_tokens))
+            reply = client.generate(build_request(prompt, max_new_tokens=opts.max_new_tokens,
+                                                  temperature=opts.temperature,
+                                                  seed=sample_seed(opts, i)))
             out[i] = (list(reply.token_ids), reply.finish_reason)
     return out
 

@@ -94,7 +94,7 @@ def chaos_command(opts: ChaosOptions, json_path: Path | None) -> bool:
         cmesh = start_chaos_mesh(str(target), str(draft), log_dir)
     err.print(f"chaos mesh up (logs: {log_dir})")
     try:
-        reference = reference_outputs(cmesh.gateways[0], PROMPTS, opts.max_new_tokens)
+        reference = reference_outputs(cmesh.gateways[0], PROMPTS, opts)
         with Live(console=err, transient=True, refresh_per_second=4) as live:
             def progress(elapsed: float, requests: int, lost: int, tokens: int) -> None:
                 live.update(f"chaos: {elapsed:5.1f} s, {requests} requests, {lost} lost, "

@@ -50,6 +50,7 @@ class LoadOptions:
     max_new_tokens: int = 64
     drafter: str = ""  # "" = the gateway's default
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy; else sampled, unseeded
     timeout_s: float = 120.0  # deadline of one request
     tls_ca: str = ""  # verify a TLS gateway with this CA
     api_key: str = ""  # for a gateway started with --api-keys
@@ -78,7 +79,7 @@ def stream_one(client, prompt_index: int, opts: LoadOptions, calls: set) -> Requ
 
     rec = RequestRecord(prompt_index)
     request = build_request(PROMPTS[prompt_index], max_new_tokens=opts.max_new_tokens,
-                            drafter=opts.drafter)
+                            temperature=opts.temperature, drafter=opts.drafter)
     start = last = time.perf_counter()
     final = None
     call = client.stream(request, timeout=opts.timeout_s)
@@ -234,6 +235,7 @@ def build_report(address: str, opts: LoadOptions, records: list[RequestRecord], 
         "address": address, "streams": opts.streams, "duration_s": opts.duration_s,
         "wall_s": wall_s, "max_new_tokens": opts.max_new_tokens,
         "drafter": opts.drafter or "gateway default", "seed": opts.seed,
+        "temperature": opts.temperature,
         "requests": len(records), "ok": len(ok),
         "errors": dict(Counter(r.code for r in records if not r.ok)),
         "error_details": sorted({f"{r.code}: {r.detail}" for r in records if not r.ok})[:5],
@@ -325,6 +327,11 @@ def load(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")
                          ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the streams' prompt choice.")] = 0,
+    temperature: Annotated[float, typer.Option(
+        min=0.0, max=2.0, help="0 (the default) decodes greedily; above 0 requests sample "
+                               "at this temperature (with --chaos each prompt with a seed of "
+                               "its own, so every output must still equal the intact "
+                               "mesh's).")] = 0.0,
     timeout: Annotated[float, typer.Option(help="Deadline of one request, seconds.")] = 120.0,
     tls_ca: Annotated[str, typer.Option(envvar="SPECMESH_TLS_CA",
                                         help="Verify a TLS gateway with this CA (PEM).")] = "",
@@ -371,6 +378,7 @@ def load(
         try:
             equal = chaos_command(ChaosOptions(streams=streams, duration_s=duration,
                                                max_new_tokens=max_new_tokens, seed=seed,
+                                               temperature=temperature,
                                                request_timeout_s=timeout), json_path)
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
@@ -379,7 +387,8 @@ def load(
         return
     err, out = Console(stderr=True), Console()
     opts = LoadOptions(streams=streams, duration_s=duration, max_new_tokens=max_new_tokens,
-                       drafter=drafter, seed=seed, timeout_s=timeout, tls_ca=tls_ca,
+                       drafter=drafter, seed=seed, temperature=temperature, timeout_s=timeout,
+                       tls_ca=tls_ca,
                        api_key=api_key)
     pids = None
     with command_mesh(err) as start_mesh:

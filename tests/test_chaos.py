@@ -75,3 +75,23 @@ def test_load_chaos_starts_its_own_mesh():
     result = CliRunner().invoke(app, ["load", "--chaos", "--addr", "127.0.0.1:1"])
     assert result.exit_code == 2
     assert "--chaos" in result.output and "--addr" in result.output
+
+
+def test_seeded_samples_draw_the_reference_again_so_chaos_can_compare_them(mesh):
+    """`specmesh load --chaos --temperature T`: each prompt is sampled with a seed of its own
+    (``sample_seed``), so the intact mesh's reference and a chaos client's request draw the
+    same tokens; they are not the greedy ones, and another --seed draws others."""
+    from specmesh.chaos import chaos_request, reference_outputs
+    from specmesh.client import GatewayClient
+
+    prompts = PROMPTS[:3]
+    sampled = ChaosOptions(max_new_tokens=16, temperature=1.0, request_timeout_s=60)
+    reference = reference_outputs(mesh.gateway_address, prompts, sampled)
+    with GatewayClient(mesh.gateway_address) as client:
+        for i, prompt in enumerate(prompts):
+            rec = chaos_request([client, client], 0, i, prompt, sampled)
+            assert rec.completed and (rec.tokens, rec.finish) == reference[i], i
+    greedy = reference_outputs(mesh.gateway_address, prompts, ChaosOptions(max_new_tokens=16))
+    other = reference_outputs(mesh.gateway_address, prompts,
+                              ChaosOptions(max_new_tokens=16, temperature=1.0, seed=1))
+    assert reference != greedy and reference != other
