@@ -51,6 +51,7 @@ def test_choices_run_prompt_by_prompt_with_seed_plus_j():
     (1, MAX_N + 1, 1000, "n", f"n must be in 1..{MAX_N}, got {MAX_N + 1}"),
     (2, 3, 5, "n", "n (3) × 2 prompts asks 6 choices; this gateway runs at most 5 at once"),
     (6, 1, 5, "prompt", "n (1) × 6 prompts asks 6 choices"),
+    (1, 9, 5, "n", "n (9) × one prompt asks 9 choices; this gateway runs at most 5 at once"),
 ])
 def test_choices_out_of_range_name_the_field(prompts, n, inflight, param, message):
     with pytest.raises(ApiError) as err:
@@ -198,7 +199,7 @@ def test_list_prompts_logprobs_start_each_choice_at_offset_zero(client, pair):
 
 @pytest.mark.parametrize("kwargs, param, message", [
     ({"n": 0}, "n", f"n must be in 1..{MAX_N}, got 0"),
-    ({"n": 65}, "n", "n (65) × 1 prompts asks 65 choices; this gateway runs at most 64"),
+    ({"n": 65}, "n", "n (65) × one prompt asks 65 choices; this gateway runs at most 64"),
     ({"n": 2, "extra_body": {"keep_session": True}}, "n", "session_id and keep_session take "
                                                           "one choice"),
     ({"prompt": ["a", "b"], "extra_body": {"keep_session": True}}, "prompt",

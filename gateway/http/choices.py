@@ -35,8 +35,9 @@ def choice_specs(prompts: Sequence[GenerationSpec], n: int | None,
         raise bad_request("session_id and keep_session take one choice: send n 1 and one "
                           f"prompt, got {total} choices", field)
     if total > max_inflight:
-        raise bad_request(f"n ({n}) × {len(prompts)} prompts asks {total} choices; this "
-                          f"gateway runs at most {max_inflight} at once (--max-inflight)",
+        many = f"{len(prompts)} prompts" if len(prompts) > 1 else "one prompt"
+        raise bad_request(f"n ({n}) × {many} asks {total} choices; this gateway runs at "
+                          f"most {max_inflight} at once (--max-inflight)",
                           "n" if n > 1 else "prompt")
     return [spec if spec.seed is None else replace(spec, seed=(spec.seed + j) % SEEDS)
             for spec in prompts for j in range(n)]
