@@ -94,7 +94,7 @@ async def _stream(name: str, rounds: int, delay: float, log: list, fail: bool = 
 def test_merged_streams_come_as_they_are_ready_each_to_its_finish():
     async def run():
         log: list = []
-        streams = [_stream("a", 3, 0.03, log), _stream("b", 4, 0.01, log)]
+        streams = [_stream("a", 3, 0.06, log), _stream("b", 4, 0.01, log)]
         firsts = [await anext(s) for s in streams]
         got = [(i, c.text) async for i, c in merged(streams, firsts)]
         return got
@@ -175,6 +175,8 @@ def test_streamed_choices_carry_their_index_and_join_to_the_whole(client, pair, 
     *deltas, last = list(create(**args, stream=True, stream_options={"include_usage": True}))
     assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    # several choices keep no session: none is named, in the body or in any chunk
+    assert {c.model_extra["session_id"] for c in [whole, *deltas, last]} == {""}
     joined, finished, firsts = ["" for _ in texts], [[] for _ in texts], set()
     for chunk in deltas:
         (choice,) = chunk.choices

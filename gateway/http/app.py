@@ -89,8 +89,7 @@ class OpenAIApi:
         specs = [spec_of(body, self.ctx.config, self.engine.limits.vocab_size, prompt, ids,
                          COMPLETIONS, logprobs=body.logprobs is not None,
                          top_logprobs=body.logprobs) for prompt, ids in prompts_of(body)]
-        fmt = Formatter(self.tokenizer, self.ids[0], chat=False, logprobs=specs[0].logprobs)
-        return await self._respond(specs, fmt, body, tenant, COMPLETIONS)
+        return await self._respond(specs, body, tenant, COMPLETIONS, chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         tenant = await self.ctx.auth.authenticate(_metadata(request))
@@ -105,8 +104,7 @@ class OpenAIApi:
             # The template writes the special tokens (BOS) itself: tokenize without adding.
             ids = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=False)
             spec = replace(spec, prompt="", prompt_ids=tuple(ids["input_ids"]))
-        fmt = Formatter(self.tokenizer, self.ids[0], chat=True, logprobs=spec.logprobs)
-        return await self._respond([spec], fmt, body, tenant, door)
+        return await self._respond([spec], body, tenant, door, chat=True)
 
     async def close_session(self, session_id: str, request: Request) -> dict:
         tenant = await self.ctx.auth.authenticate(_metadata(request))
@@ -114,10 +112,12 @@ class OpenAIApi:
         return {"id": session_id, "object": "session.deleted", "deleted": True,
                 "committed_tokens": count}
 
-    async def _respond(self, prompts: list[GenerationSpec], fmt: Formatter, body, tenant,
-                       door: Door):
+    async def _respond(self, prompts: list[GenerationSpec], body, tenant, door: Door,
+                       chat: bool):
         """Runs the request's choices (each prompt ``n`` times: gateway/http/choices.py)."""
         specs = choice_specs(prompts, body.n, self.ctx.config.max_inflight)
+        fmt = Formatter(self.tokenizer, self.ids[0], chat=chat, logprobs=specs[0].logprobs,
+                        choices=len(specs))
         span = trace.get_current_span()
         if body.user:
             span.set_attribute("gen_ai.request.user", body.user)
@@ -146,19 +146,17 @@ class OpenAIApi:
         [DONE]. An error after the first chunks ends the stream with one error event (the
         status is already sent)."""
         last: dict[int, Chunk] = {}
-        single = len(streams) == 1  # (several choices keep no session: "" for it)
         try:
             async with aclosing(merged(streams, firsts)) as chunks:
                 async for i, chunk in chunks:
                     data = fmt.stream_chunk(chunk, include_usage, first=chunk is firsts[i],
-                                            index=i, session_id=None if single else "")
+                                            index=i)
                     yield format_sse_event(data_str=json.dumps(data))
                     if chunk.finish is not None:
                         last[i] = chunk
             if include_usage:
                 usage = total_usage([last[i].usage for i in range(len(streams))], n)
-                ended = last[0].session_id if single else ""
-                yield format_sse_event(data_str=json.dumps(fmt.usage_chunk(usage, ended)))
+                yield format_sse_event(data_str=json.dumps(fmt.usage_chunk(usage, last[0])))
             yield format_sse_event(data_str="[DONE]")
         except Exception as exc:  # noqa: BLE001 - reported in the stream itself
             error = from_exception(exc)

@@ -23,10 +23,12 @@ def usage_body(u: Usage) -> dict:
 
 
 class Formatter:
-    """Builds one request's bodies; ``chat`` picks the chat.completion shapes."""
+    """Builds one request's bodies; ``chat`` picks the chat.completion shapes; ``choices``:
+    how many the request runs (gateway/http/choices.py)."""
 
-    def __init__(self, tokenizer, model: str, chat: bool, logprobs: int) -> None:
+    def __init__(self, tokenizer, model: str, chat: bool, logprobs: int, choices: int = 1) -> None:
         self.tokenizer, self.model, self.chat, self.logprobs = tokenizer, model, chat, logprobs
+        self.choices = choices
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}  # each choice's text so far (completions)
@@ -59,14 +61,16 @@ class Formatter:
                                  for t in chunk.logprobs],
                 "text_offset": offsets}
 
-    def _envelope(self, obj: str, choices: list, usage, session_id: str) -> dict:
+    def _envelope(self, obj: str, choices: list, usage, chunk: Chunk) -> dict:
+        """The body around ``choices``; its session is ``chunk``'s, or "" where the request
+        runs several choices (each has a session of its own, and none is kept)."""
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage, "session_id": session_id}
+                "choices": choices, "usage": usage,
+                "session_id": chunk.session_id if self.choices == 1 else ""}
 
     def whole(self, wholes: Sequence[Chunk], usage: Usage) -> dict:
         """The non-streamed body: each choice's chunks collected into one (gateway/chunks.py
-        ``collect``), in order, and the request's usage. The session is the one choice's (a
-        request of several keeps none)."""
+        ``collect``), in order, and the request's usage."""
         choices = []
         for index, whole in enumerate(wholes):
             choice = {"index": index, "logprobs": self.logprobs_body(whole, index),
@@ -77,10 +81,10 @@ class Formatter:
                 choice["text"] = whole.text
             choices.append(choice)
         return self._envelope("chat.completion" if self.chat else "text_completion", choices,
-                              usage_body(usage), wholes[0].session_id if len(wholes) == 1 else "")
+                              usage_body(usage), wholes[0])
 
     def stream_chunk(self, chunk: Chunk, include_usage: bool, first: bool = False,
-                     index: int = 0, session_id: str | None = None) -> dict:
+                     index: int = 0) -> dict:
         """One streamed chunk of choice ``index``: the round's text delta (a chat choice's
         first also carries the assistant role), and on its last the finish reason."""
         choice = {"index": index, "logprobs": self.logprobs_body(chunk, index),
@@ -93,13 +97,13 @@ class Formatter:
         else:
             choice["text"] = chunk.text
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion",
-                              [choice], None,
-                              chunk.session_id if session_id is None else session_id)
+                              [choice], None, chunk)
         if not include_usage:
             del body["usage"]
         return body
 
-    def usage_chunk(self, usage: Usage, session_id: str) -> dict:
-        """stream_options.include_usage: the extra last chunk, no choices, the usage."""
+    def usage_chunk(self, usage: Usage, last: Chunk) -> dict:
+        """stream_options.include_usage: the extra last chunk, no choices, the request's usage
+        (``last``: the first choice's last chunk)."""
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
-                              usage_body(usage), session_id)
+                              usage_body(usage), last)
