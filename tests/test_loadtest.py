@@ -135,3 +135,22 @@ def test_target_without_draft_is_one_line_and_exit_2():
     assert result.exit_code == 2
     assert "--target and --draft go together" in result.output
     assert "Traceback" not in result.output
+
+
+def test_temperature_reaches_every_request(mesh, monkeypatch):
+    """`specmesh load --temperature`: each stream's requests sample at it, unseeded (the
+    requests the real mesh serves are built with it; greedy by default)."""
+    import specmesh.client
+
+    built, real = [], specmesh.client.build_request
+
+    def spy(*args, **kwargs):
+        built.append((kwargs.get("temperature"), kwargs.get("seed")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(specmesh.client, "build_request", spy)
+    for temperature in (0.9, 0.0):
+        opts = LoadOptions(streams=2, max_new_tokens=8, timeout_s=60, temperature=temperature)
+        records, _ = run_streams(mesh.gateway_address, opts, per_stream=1)
+        assert all(r.ok for r in records), [(r.code, r.detail) for r in records]
+    assert built == [(0.9, None)] * 2 + [(0.0, None)] * 2
